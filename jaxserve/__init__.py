@@ -1,0 +1,1 @@
+"""jaxserve: a JAX/XLA LLM inference engine."""

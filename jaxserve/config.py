@@ -1,0 +1,235 @@
+"""Frozen configs: what the model is (`ModelConfig`) and how the engine runs it (`EngineConfig`).
+
+Both are hashable so they can be static arguments of jitted functions. This module owns the
+translation from a Hugging Face config to ours and the validation of engine settings; it does not
+load weights (see `weights.py`) or pick buckets at run time (see `buckets.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ModelLoadError(ValueError):
+    """A model path, config or weight file that jaxserve cannot load, with the reason."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters of one kind of layer (Gemma 3 has a local and a global kind)."""
+
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def inv_freq(self, head_dim: int) -> np.ndarray:  # [head_dim // 2]
+        inv_freq = 1.0 / (self.theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+        if self.rope_type == "linear":
+            inv_freq = inv_freq / self.factor
+        elif self.rope_type == "llama3":
+            # Llama 3.1 keeps high frequencies, divides low ones by `factor`, and blends in between.
+            old_len = self.original_max_position_embeddings
+            low_freq_wavelen = old_len / self.low_freq_factor
+            high_freq_wavelen = old_len / self.high_freq_factor
+            wavelen = 2 * math.pi / inv_freq
+            scaled = np.where(wavelen > low_freq_wavelen, inv_freq / self.factor, inv_freq)
+            smooth = (old_len / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+            inv_freq = np.where(is_medium, smoothed, scaled)
+        return inv_freq.astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """One decoder-only transformer; the flags cover Llama, Mistral, Qwen2, Qwen3 and Gemma 3 text."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2: q/k/v projections have biases
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over head_dim on q and k
+    sandwich_norm: bool = False  # Gemma 3: extra norms after attention and after the MLP
+    hidden_act: str = "silu"  # "silu" or "gelu_tanh"
+    embed_scale: float = 1.0  # Gemma 3 multiplies embeddings by sqrt(hidden_size)
+    query_scale: float = 0.0  # 0 means head_dim ** -0.5
+    attn_logit_softcap: float = 0.0  # 0 means off
+    final_logit_softcap: float = 0.0
+    sliding_window: int = 0  # 0 means no sliding window
+    # Per layer: True where the layer uses the sliding window and the local rope.
+    sliding_layers: tuple[bool, ...] = ()
+    local_rope: RopeConfig | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES.values():
+            raise ModelLoadError(f"{self.architecture=} is not supported")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(f"{self.num_heads=} must be a multiple of {self.num_kv_heads=}")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ModelLoadError(f"{self.hidden_act=} is not supported (silu or gelu_tanh)")
+        if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
+            raise ModelLoadError(f"{len(self.sliding_layers)=} must equal {self.num_layers=}")
+
+    @property
+    def scale(self) -> float:
+        return self.query_scale or self.head_dim**-0.5
+
+    @property
+    def layer_is_sliding(self) -> tuple[bool, ...]:
+        return self.sliding_layers or (bool(self.sliding_window),) * self.num_layers
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> "ModelConfig":
+        """Builds a ModelConfig from a transformers `PretrainedConfig` (config.json or GGUF metadata)."""
+        architectures = getattr(hf, "architectures", None) or []
+        model_type = getattr(hf, "model_type", "")
+        family = next((SUPPORTED_ARCHITECTURES[a] for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if family is None and model_type in SUPPORTED_ARCHITECTURES.values():
+            family = model_type
+        if family is None and model_type == "gemma3_text":
+            family = "gemma3"
+        if family is None:
+            supported = ", ".join(SUPPORTED_ARCHITECTURES)
+            raise ModelLoadError(
+                f"unsupported architecture {architectures or model_type!r}; jaxserve supports {supported}"
+            )
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        rope_params = _rope_parameters(hf)
+        eos = getattr(hf, "eos_token_id", None)
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        common = dict(
+            architecture=family,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=hf.num_attention_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            head_dim=head_dim,
+            intermediate_size=hf.intermediate_size,
+            rms_norm_eps=hf.rms_norm_eps,
+            max_position_embeddings=hf.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(hf, "attention_bias", False)) or family == "qwen2",
+            eos_token_ids=eos_ids,
+            bos_token_id=getattr(hf, "bos_token_id", None),
+        )
+        layer_types = tuple(getattr(hf, "layer_types", None) or ())
+        sliding_window = getattr(hf, "sliding_window", None) or 0
+        if family == "gemma3":
+            return cls(
+                **common,
+                rope=_rope_config(rope_params.get("full_attention", {}), 1_000_000.0, hf),
+                local_rope=_rope_config(rope_params.get("sliding_attention", {}), 10_000.0, hf),
+                qk_norm=True,
+                sandwich_norm=True,
+                hidden_act="gelu_tanh",
+                embed_scale=float(hf.hidden_size) ** 0.5,
+                query_scale=float(hf.query_pre_attn_scalar) ** -0.5,
+                attn_logit_softcap=float(getattr(hf, "attn_logit_softcapping", None) or 0.0),
+                final_logit_softcap=float(getattr(hf, "final_logit_softcapping", None) or 0.0),
+                sliding_window=sliding_window,
+                sliding_layers=tuple(t == "sliding_attention" for t in layer_types),
+            )
+        sliding_layers = ()
+        if sliding_window and layer_types:
+            sliding_layers = tuple(t == "sliding_attention" for t in layer_types)
+        return cls(
+            **common,
+            rope=_rope_config(rope_params, 10_000.0, hf),
+            qk_norm=family == "qwen3",
+            sliding_window=sliding_window,
+            sliding_layers=sliding_layers,
+        )
+
+
+def _rope_parameters(hf: Any) -> dict:
+    params = getattr(hf, "rope_parameters", None)
+    if params is None:  # transformers 4.x style configs
+        params = dict(getattr(hf, "rope_scaling", None) or {})
+        if getattr(hf, "rope_theta", None) is not None:
+            params.setdefault("rope_theta", hf.rope_theta)
+    return params
+
+
+def _rope_config(params: dict, default_theta: float, hf: Any) -> RopeConfig:
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(f"unsupported {rope_type=}; jaxserve supports {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if getattr(hf, "partial_rotary_factor", 1.0) not in (None, 1.0):
+        raise ModelLoadError(f"partial_rotary_factor={hf.partial_rotary_factor} is not supported")
+    return RopeConfig(
+        theta=float(params.get("rope_theta", getattr(hf, "rope_theta", None) or default_theta)),
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", hf.max_position_embeddings)
+        ),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a model: page pool, batch limits, buckets. vLLM's names where it has one."""
+
+    max_model_len: int = 2048
+    block_size: int = 16  # tokens per KV page
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    num_kv_pages: int | None = None  # fixes the pool size, overriding kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 512 * 1024**2
+    dtype: str = "float32"
+    seed: int = 0
+    min_prefill_bucket: int = 16
+    min_decode_bucket: int = 1
+    prefill_query_block: int = 16  # query rows per attention tile in the ragged step
+    kv_block: int = 128  # keys per attention loop iteration
+
+    def __post_init__(self):
+        def check(ok: bool, message: str):
+            if not ok:
+                raise ValueError(message)
+
+        check(self.dtype in ("float32", "bfloat16"), f"{self.dtype=} must be 'float32' or 'bfloat16'")
+        check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+              f"{self.block_size=} must be a power of two")
+        check(self.max_model_len > 0, f"{self.max_model_len=} must be positive")
+        check(self.max_num_seqs > 0, f"{self.max_num_seqs=} must be positive")
+        check(self.max_num_batched_tokens >= self.min_prefill_bucket,
+              f"{self.max_num_batched_tokens=} must be at least {self.min_prefill_bucket=}")
+        check(self.max_num_batched_tokens >= self.max_num_seqs,
+              f"{self.max_num_batched_tokens=} must be at least {self.max_num_seqs=}")
+        check(self.num_kv_pages is None or self.num_kv_pages >= 2,
+              f"{self.num_kv_pages=} must be at least 2 (page 0 is the reserved dummy page)")
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)

@@ -1,0 +1,139 @@
+"""The decoder-only transformer as a pure function: Llama, Mistral, Qwen2, Qwen3 and Gemma 3 text.
+
+The families differ only by flags in `ModelConfig` (biases, q/k norms, sandwich norms, activation,
+embedding scale, sliding-window layers, a second rope), so one forward pass serves them all; the
+per-family differences in weight names live in `weights.py`.
+
+Params pytree (layers stacked on a leading axis so the forward pass scans over them):
+
+    embed        [vocab, hidden]
+    final_norm   [hidden]
+    lm_head      [hidden, vocab]            (absent when embeddings are tied)
+    layers/
+      attn_norm, mlp_norm                   [L, hidden]
+      post_attn_norm, post_mlp_norm         [L, hidden]          (sandwich_norm)
+      wq [L, hidden, H*D]  wk, wv [L, hidden, KVH*D]  wo [L, H*D, hidden]
+      bq [L, H*D]  bk, bv [L, KVH*D]                              (attention_bias)
+      q_norm, k_norm                        [L, D]               (qk_norm)
+      w_gate, w_up [L, hidden, inter]  w_down [L, inter, hidden]
+
+Weights are stored input-major (`x @ w`); heads are contiguous blocks of the output axis, so the
+projections shard by heads. Norm weights are stored as the multiplier itself (Gemma's `1 + w` is
+folded in at load time).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.attention import AttentionMetadata, ragged_paged_attention, write_kv
+from jaxserve.config import ModelConfig
+
+KVCache = tuple[jax.Array, jax.Array]  # (k_pages, v_pages), see attention.py for the layout
+
+
+def rms_norm(x, weight, eps: float):
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_tables(inv_freq: np.ndarray, positions):
+    """cos and sin [T, D/2] for the given positions [T]."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x, cos, sin):
+    """Rotates halves (the Hugging Face convention, not interleaved pairs). x: [T, heads, D]."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _mlp(cfg: ModelConfig, lp, x):
+    gate = x @ lp["w_gate"]
+    act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
+    return (act * (x @ lp["w_up"])) @ lp["w_down"]
+
+
+def forward(
+    params,
+    cfg: ModelConfig,
+    token_ids,  # [T] int32
+    positions,  # [T] int32
+    kv_cache: KVCache,
+    md: AttentionMetadata,
+    logits_indices,  # [S] int32: rows whose next-token logits are wanted
+    *,
+    q_block: int = 16,
+    kv_block: int = 128,
+):
+    """Runs the model over a ragged batch of tokens; returns (logits [S, vocab] f32, kv_cache)."""
+    num_tokens = token_ids.shape[0]
+    h = params["embed"][token_ids]
+    if cfg.embed_scale != 1.0:
+        h = h * jnp.asarray(cfg.embed_scale, h.dtype)
+
+    global_rope = rope_tables(cfg.rope.inv_freq(cfg.head_dim), positions)
+    local_rope = global_rope
+    if cfg.local_rope is not None:
+        local_rope = rope_tables(cfg.local_rope.inv_freq(cfg.head_dim), positions)
+    is_sliding = jnp.asarray(cfg.layer_is_sliding)
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+
+    def layer(carry, xs):
+        h, k_pages, v_pages = carry
+        lp, layer_id, sliding = xs
+        x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+        q, k, v = x @ lp["wq"], x @ lp["wk"], x @ lp["wv"]
+        if cfg.attention_bias:
+            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+        q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+        cos = jnp.where(sliding, local_rope[0], global_rope[0])
+        sin = jnp.where(sliding, local_rope[1], global_rope[1])
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        k_pages, v_pages = write_kv(k_pages, v_pages, layer_id, k, v, md.slot_mapping)
+        attn = ragged_paged_attention(
+            q, k_pages, v_pages, layer_id, md,
+            scale=cfg.scale,
+            sliding_window=jnp.where(sliding, cfg.sliding_window, 0),
+            soft_cap=cfg.attn_logit_softcap,
+            q_block=q_block,
+            kv_block=kv_block,
+        )
+        out = attn.reshape(num_tokens, cfg.num_heads * cfg.head_dim) @ lp["wo"]
+        if cfg.sandwich_norm:
+            out = rms_norm(out, lp["post_attn_norm"], cfg.rms_norm_eps)
+        h = h + out
+        out = _mlp(cfg, lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps))
+        if cfg.sandwich_norm:
+            out = rms_norm(out, lp["post_mlp_norm"], cfg.rms_norm_eps)
+        return (h + out, k_pages, v_pages), None
+
+    (h, k_pages, v_pages), _ = jax.lax.scan(
+        layer, (h, *kv_cache), (params["layers"], layer_ids, is_sliding)
+    )
+    h = rms_norm(h[logits_indices], params["final_norm"], cfg.rms_norm_eps)
+    lm_head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    logits = jnp.dot(h, lm_head, preferred_element_type=jnp.float32)
+    if cfg.final_logit_softcap:
+        logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
+    return logits, (k_pages, v_pages)
+
+
+def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KVCache:
+    shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize

