@@ -1,1 +1,7 @@
-"""jaxserve: a JAX/XLA LLM inference engine."""
+"""jaxserve: a JAX/XLA inference engine for large language models, with an OpenAI-compatible server."""
+
+from jaxserve.llm import LLM, CompletionOutput, RequestOutput
+from jaxserve.sampling import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

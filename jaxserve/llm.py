@@ -1,0 +1,140 @@
+"""The offline API, vLLM-style: `LLM(model).generate(prompts, SamplingParams(...))` and `.chat(...)`.
+
+It tokenizes, applies chat templates, feeds the engine, and detokenizes finished requests; it
+returns outputs in input order. Engine settings are keyword arguments with vLLM's names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.request import Request
+from jaxserve.sampling import SamplingParams
+from jaxserve.weights import load_model
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]} / {"prompt": "..."}
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+
+
+class LLM:
+    """Loads a model (None = the default SmolLM2-135M-Instruct), compiles its buckets, generates."""
+
+    def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "float32",
+                 warmup: bool = True, **engine_kwargs):
+        fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(engine_kwargs) - fields)
+        if unknown:
+            raise TypeError(f"unknown engine settings {unknown}; known: {sorted(fields)}")
+        loaded = load_model(model, dtype)
+        engine_kwargs.setdefault("max_model_len", min(2048, loaded.config.max_position_embeddings))
+        self.config = EngineConfig(dtype=dtype, **engine_kwargs)
+        self.tokenizer = loaded.tokenizer
+        self.engine = LLMEngine(loaded, self.config)
+        self.warmup_summary = self.engine.warmup() if warmup else None
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        encoded = [self._encode(p) for p in prompts]  # validate everything before queueing anything
+        requests: list[Request] = []
+        try:
+            for (text, ids), params in zip(encoded, sampling_params):
+                requests.append(self.engine.add_request(ids, params))
+        except ValueError:
+            for request in requests:
+                self.engine.abort_request(request.request_id)
+            raise
+        self._run(requests, use_tqdm)
+        return [self._output(r, text) for r, (text, _) in zip(requests, encoded)]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation or a list of them, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if self.tokenizer.chat_template is None:
+            raise ValueError("this model's tokenizer has no chat template; use generate()")
+        prompts = [
+            self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+            for conv in conversations
+        ]
+        if sampling_params is None:
+            sampling_params = SamplingParams(max_tokens=None)
+        return self.generate([{"prompt": p, "add_special_tokens": False} for p in prompts],
+                             sampling_params, use_tqdm)
+
+    def get_stats(self) -> dict:
+        pool = self.engine.pool
+        return {
+            "num_preemptions": self.engine.scheduler.num_preemptions,
+            "num_free_pages": pool.num_free_pages,
+            "kv_cache_usage": pool.usage,
+            "compiled_shapes": self.engine.runner.compiled_shapes,
+        }
+
+    # ----------------------------------------------------------------------------------------------
+
+    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return None, list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            text = prompt["prompt"]
+            if not text:
+                raise ValueError("the prompt is empty")
+            return text, self.tokenizer.encode(text, add_special_tokens=prompt.get("add_special_tokens", True))
+        raise ValueError(f"a prompt must be a str or a dict with 'prompt' or 'prompt_token_ids', got {prompt!r:.80}")
+
+    def _run(self, requests: list[Request], use_tqdm: bool) -> None:
+        pending = {r.request_id for r in requests}
+        with tqdm(total=len(requests), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while pending:
+                for request in self.engine.step():
+                    if request.request_id in pending:
+                        pending.discard(request.request_id)
+                        bar.update(1)
+
+    def _output(self, request: Request, prompt: str | None) -> RequestOutput:
+        params = request.sampling_params
+        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+        completion = CompletionOutput(0, text, list(request.output_token_ids), request.finish_reason,
+                                      request.stop_reason)
+        return RequestOutput(request.request_id, prompt, request.prompt_token_ids, [completion])

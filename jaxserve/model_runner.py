@@ -1,0 +1,207 @@
+"""The model runner: scheduled batch (host lists) -> numpy -> device arrays -> one compiled call.
+
+It owns the params, the KV page array, the shape buckets and the compiled executables. Two entry
+points, both the same step function (forward pass + on-device sampling) compiled per bucket:
+
+  prefill: a ragged batch of prompt chunks and decode rows on one token axis, padded to a
+           token-count bucket; attention in query tiles of `prefill_query_block` rows.
+  decode:  one token per sequence, padded to a batch-size bucket; attention tiles of one row.
+
+Every bucket is compiled ahead of time (`warmup`), and `execute` only looks executables up: a
+shape outside the buckets is a bug and raises, it never compiles at request time.
+This module does not decide what runs (scheduler.py) or when a request ends (engine.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxserve.attention import AttentionMetadata
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.models.transformer import forward, init_kv_cache, kv_bytes_per_token
+from jaxserve.sampling import sample
+
+logger = logging.getLogger(__name__)
+DUMMY_PAGE = 0
+
+
+def _powers_of_two(lo: int, hi: int) -> list[int]:
+    buckets, size = [], lo
+    while size < hi:
+        buckets.append(size)
+        size *= 2
+    return buckets + [hi]
+
+
+def prefill_buckets(cfg: EngineConfig) -> list[int]:
+    """Token counts: powers of two from min_prefill_bucket up to max_num_batched_tokens."""
+    return _powers_of_two(cfg.min_prefill_bucket, cfg.max_num_batched_tokens)
+
+
+def decode_buckets(cfg: EngineConfig) -> list[int]:
+    """Batch sizes: powers of two from min_decode_bucket up to max_num_seqs."""
+    return _powers_of_two(min(cfg.min_decode_bucket, cfg.max_num_seqs), cfg.max_num_seqs)
+
+
+def pick_bucket(buckets: list[int], size: int) -> int:
+    return next(b for b in buckets if b >= size)
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    """One sequence's share of a step, as the scheduler hands it over (host ints and lists)."""
+
+    token_ids: list[int]  # the new tokens of this step
+    num_computed_tokens: int  # tokens already in the KV pages
+    block_table: list[int]  # page ids, covering num_computed_tokens + len(token_ids)
+    temperature: float
+    seed: int
+
+
+class StepInputs(NamedTuple):
+    token_ids: np.ndarray  # [T] int32
+    positions: np.ndarray  # [T] int32
+    md: AttentionMetadata  # slot_mapping [T], cu_q_lens [S+1], kv_lens [S], block_tables [S, P]
+    logits_indices: np.ndarray  # [S] int32, each sequence's last row
+    temperature: np.ndarray  # [S] f32
+    seeds: np.ndarray  # [S] uint32
+    sample_positions: np.ndarray  # [S] int32, the position of the token each row samples
+
+
+def _step(params, kv_cache, inputs: StepInputs, *, cfg: ModelConfig, q_block: int, kv_block: int):
+    logits, kv_cache = forward(
+        params, cfg, inputs.token_ids, inputs.positions, kv_cache, inputs.md, inputs.logits_indices,
+        q_block=q_block, kv_block=kv_block,
+    )
+    tokens = sample(logits, inputs.temperature, inputs.seeds, inputs.sample_positions)
+    return tokens, kv_cache
+
+
+class ModelRunner:
+    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, params):
+        self.model_cfg, self.cfg = model_cfg, engine_cfg
+        self.params = params
+        self.num_pages = self._num_pages()
+        self.kv_cache = init_kv_cache(model_cfg, self.num_pages, engine_cfg.block_size, engine_cfg.dtype)
+        self.prefill_buckets = prefill_buckets(engine_cfg)
+        self.decode_buckets = decode_buckets(engine_cfg)
+        step = functools.partial(_step, cfg=model_cfg, kv_block=min(engine_cfg.kv_block, engine_cfg.max_model_len))
+        self._prefill = jax.jit(functools.partial(step, q_block=engine_cfg.prefill_query_block), donate_argnums=1)
+        self._decode = jax.jit(functools.partial(step, q_block=1), donate_argnums=1)
+        self._executables: dict[tuple[str, int], object] = {}
+        logger.info(
+            "KV cache: %d pages of %d tokens (%d max concurrent tokens), %.1f MiB",
+            self.num_pages - 1, engine_cfg.block_size, self.max_concurrent_tokens,
+            2 * self.kv_cache[0].nbytes / 2**20,
+        )
+
+    def _num_pages(self) -> int:
+        if self.cfg.num_kv_pages is not None:
+            return self.cfg.num_kv_pages
+        per_page = kv_bytes_per_token(self.model_cfg, self.cfg.dtype) * self.cfg.block_size
+        num_pages = self.cfg.kv_cache_memory_bytes // per_page
+        if num_pages < 2:
+            raise ValueError(
+                f"kv_cache_memory_bytes={self.cfg.kv_cache_memory_bytes} holds {num_pages} pages of "
+                f"{per_page} bytes; at least 2 are needed"
+            )
+        return int(num_pages)
+
+    @property
+    def max_concurrent_tokens(self) -> int:
+        return (self.num_pages - 1) * self.cfg.block_size
+
+    # -- compilation ------------------------------------------------------------------------------
+
+    def _input_shapes(self, kind: str, bucket: int) -> StepInputs:
+        num_tokens = bucket
+        num_seqs = bucket if kind == "decode" else min(bucket, self.cfg.max_num_seqs)
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        return StepInputs(
+            token_ids=i32(num_tokens),
+            positions=i32(num_tokens),
+            md=AttentionMetadata(i32(num_tokens), i32(num_seqs + 1), i32(num_seqs),
+                                 i32(num_seqs, self.cfg.pages_per_seq)),
+            logits_indices=i32(num_seqs),
+            temperature=jax.ShapeDtypeStruct((num_seqs,), jnp.float32),
+            seeds=jax.ShapeDtypeStruct((num_seqs,), jnp.uint32),
+            sample_positions=i32(num_seqs),
+        )
+
+    def warmup(self, show_progress: bool = True) -> dict:
+        """Compiles every bucket of both entry points once; returns a summary."""
+        start = time.perf_counter()
+        todo = [("decode", b) for b in self.decode_buckets] + [("prefill", b) for b in self.prefill_buckets]
+        todo = [key for key in todo if key not in self._executables]
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (self.params, self.kv_cache))
+        for kind, bucket in tqdm(todo, desc="compiling buckets", unit="exe", disable=not show_progress):
+            fn = self._decode if kind == "decode" else self._prefill
+            self._executables[kind, bucket] = fn.lower(*shapes, self._input_shapes(kind, bucket)).compile()
+        summary = {
+            "num_executables": len(self._executables),
+            "prefill_buckets": self.prefill_buckets,
+            "decode_buckets": self.decode_buckets,
+            "seconds": time.perf_counter() - start,
+        }
+        logger.info("compiled %d executables in %.1f s", summary["num_executables"], summary["seconds"])
+        return summary
+
+    @property
+    def compiled_shapes(self) -> list[tuple[str, int]]:
+        return sorted(self._executables)
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    def execute(self, seqs: list[ScheduledSeq]) -> np.ndarray:
+        """Runs one step over the scheduled sequences; returns one sampled token id per sequence."""
+        assert seqs, "nothing scheduled"
+        num_tokens = sum(len(s.token_ids) for s in seqs)
+        if all(len(s.token_ids) == 1 for s in seqs) and len(seqs) <= self.cfg.max_num_seqs:
+            kind, bucket = "decode", pick_bucket(self.decode_buckets, len(seqs))
+            num_seqs = bucket
+        else:
+            kind, bucket = "prefill", pick_bucket(self.prefill_buckets, num_tokens)
+            num_seqs = min(bucket, self.cfg.max_num_seqs)
+        assert len(seqs) <= num_seqs, (len(seqs), num_seqs)
+        inputs = self._build_inputs(seqs, num_tokens=bucket, num_seqs=num_seqs)
+        if (kind, bucket) not in self._executables:
+            self.warmup(show_progress=False)  # only before warm-up ran; afterwards every key exists
+        tokens, self.kv_cache = self._executables[kind, bucket](self.params, self.kv_cache, inputs)
+        return np.asarray(tokens)[: len(seqs)]
+
+    def _build_inputs(self, seqs: list[ScheduledSeq], num_tokens: int, num_seqs: int) -> StepInputs:
+        page_size = self.cfg.block_size
+        token_ids = np.zeros(num_tokens, np.int32)
+        positions = np.zeros(num_tokens, np.int32)
+        slot_mapping = np.arange(num_tokens, dtype=np.int32) % page_size + DUMMY_PAGE * page_size
+        cu_q_lens = np.zeros(num_seqs + 1, np.int32)
+        kv_lens = np.zeros(num_seqs, np.int32)
+        block_tables = np.full((num_seqs, self.cfg.pages_per_seq), DUMMY_PAGE, np.int32)
+        temperature = np.zeros(num_seqs, np.float32)
+        seeds = np.zeros(num_seqs, np.uint32)
+        row = 0
+        for i, s in enumerate(seqs):
+            n = len(s.token_ids)
+            pos = np.arange(s.num_computed_tokens, s.num_computed_tokens + n, dtype=np.int32)
+            table = np.asarray(s.block_table, np.int32)
+            token_ids[row:row + n] = s.token_ids
+            positions[row:row + n] = pos
+            slot_mapping[row:row + n] = table[pos // page_size] * page_size + pos % page_size
+            block_tables[i, : len(table)] = table
+            kv_lens[i] = s.num_computed_tokens + n
+            temperature[i], seeds[i] = s.temperature, s.seed
+            row += n
+            cu_q_lens[i + 1] = row
+        cu_q_lens[len(seqs) + 1:] = row
+        logits_indices = np.maximum(cu_q_lens[1:] - 1, 0)
+        md = AttentionMetadata(slot_mapping, cu_q_lens, kv_lens, block_tables)
+        return StepInputs(token_ids, positions, md, logits_indices, temperature, seeds, kv_lens.copy())

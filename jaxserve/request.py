@@ -1,0 +1,66 @@
+"""A request's state as the engine tracks it: tokens, progress, pages, and why it finished.
+
+Plain Python only: the scheduler and engine read and write these fields, the device never sees them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from jaxserve.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int  # the request's own seed, or one drawn for it by the engine
+    max_tokens: int  # sampling_params.max_tokens capped so prompt + output fits max_model_len
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the pages
+    block_table: list[int] = dataclasses.field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | None = None  # the stop token id that ended it, if any
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.is_finished else None
+
+    def check_stop(self) -> bool:
+        """Updates the status after a new output token; True if the request is now finished."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if len(self.output_token_ids) >= params.min_tokens:
+            if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
+                self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, last
+                return True
+        if len(self.output_token_ids) >= self.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
