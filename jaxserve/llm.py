@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
+from jaxserve.compilation import enable_persistent_cache
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.request import Request
@@ -51,6 +52,7 @@ class LLM:
         unknown = sorted(set(engine_kwargs) - fields)
         if unknown:
             raise TypeError(f"unknown engine settings {unknown}; known: {sorted(fields)}")
+        enable_persistent_cache()
         loaded = load_model(model, dtype)
         engine_kwargs.setdefault("max_model_len", min(2048, loaded.config.max_position_embeddings))
         self.config = EngineConfig(dtype=dtype, **engine_kwargs)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxserve import compilation  # noqa: F401  (registers the compilation counter)
 from jaxserve.attention import AttentionMetadata
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.models.transformer import forward, init_kv_cache, kv_bytes_per_token

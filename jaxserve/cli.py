@@ -1,0 +1,136 @@
+"""The `jaxserve` command: generate, chat, convert (the server and benchmarks add their own).
+
+Engine flags use vLLM's names (`--max-model-len`, `--max-num-seqs`, ...); each maps onto a field of
+`EngineConfig`. Bad input ends with a one-line error and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from jaxserve.config import EngineConfig, ModelLoadError
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineConfig()
+    parser.add_argument("--model", default=None,
+                        help="model directory, GGUF file or jaxserve checkpoint (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: min(2048, the model's)")
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    parser.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV page")
+    parser.add_argument("--num-kv-pages", type=int, default=None, help="fixes the KV pool size")
+    parser.add_argument("--kv-cache-memory-gib", type=float, default=defaults.kv_cache_memory_bytes / 2**30)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    kwargs = dict(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_kv_pages=args.num_kv_pages,
+        kv_cache_memory_bytes=int(args.kv_cache_memory_gib * 2**30),
+        seed=args.seed,
+    )
+    if args.max_model_len is not None:
+        kwargs["max_model_len"] = args.max_model_len
+    return kwargs
+
+
+def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int | None) -> None:
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default here)")
+    parser.add_argument("--sampling-seed", type=int, default=None)
+
+
+def _sampling_params(args: argparse.Namespace):
+    from jaxserve.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.sampling_seed)
+
+
+def _make_llm(args: argparse.Namespace):
+    from jaxserve.llm import LLM
+
+    return LLM(args.model, dtype=args.dtype, **_engine_kwargs(args))
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    params = _sampling_params(args)
+    llm = _make_llm(args)
+    for output in llm.generate(args.prompt, params, use_tqdm=False):
+        print(output.outputs[0].text)
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    """A chat REPL; reads one user turn per line (so it also answers piped input), EOF ends it."""
+    params = _sampling_params(args)
+    llm = _make_llm(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("you> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.strip()})
+        answer = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+        messages.append({"role": "assistant", "content": answer})
+        print(f"assistant> {answer}" if interactive else answer, flush=True)
+
+
+def cmd_convert(args: argparse.Namespace) -> None:
+    from jaxserve.weights import load_model, save_checkpoint
+
+    loaded = load_model(args.src, args.dtype)
+    dst = save_checkpoint(loaded, args.dst)
+    print(f"wrote {dst} ({loaded.config.architecture}, {args.dtype})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxserve", description="JAX/XLA LLM inference engine")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete a prompt")
+    gen.add_argument("prompt", nargs="+", help="one or more prompts")
+    _add_engine_flags(gen)
+    _add_sampling_flags(gen, max_tokens=64)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="chat with the model (one user turn per input line)")
+    _add_engine_flags(chat)
+    _add_sampling_flags(chat, max_tokens=256)
+    chat.add_argument("--system", default=None, help="a system prompt")
+    chat.set_defaults(func=cmd_chat)
+
+    convert = sub.add_parser("convert", help="convert a model to a jaxserve (orbax) checkpoint")
+    convert.add_argument("src", nargs="?", default=None, help="model to convert (default: SmolLM2-135M-Instruct)")
+    convert.add_argument("dst")
+    convert.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    convert.set_defaults(func=cmd_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        args.func(args)
+    except (ModelLoadError, ValueError) as e:
+        print(f"jaxserve: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

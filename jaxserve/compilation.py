@@ -1,0 +1,70 @@
+"""Counting XLA compilations, forbidding them after warm-up, and the persistent compilation cache.
+
+Every executable JAX builds (a real compile or a load from the persistent cache) fires the
+backend-compile monitoring event; we count those. `forbid_compilation()` turns any such event into
+an error, which is how tests prove that no request compiles anything after warm-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from pathlib import Path
+
+import jax
+
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_lock = threading.Lock()
+_count = 0
+_forbidden = 0  # nesting depth of forbid_compilation()
+
+
+class CompilationForbiddenError(RuntimeError):
+    """An XLA compilation happened where the engine promised none (after warm-up)."""
+
+
+def _listener(event: str, duration_secs: float, **kwargs) -> None:
+    global _count
+    if event != _BACKEND_COMPILE_EVENT:
+        return
+    with _lock:
+        _count += 1
+    if _forbidden:
+        raise CompilationForbiddenError(
+            "an XLA compilation happened after warm-up; a shape escaped the declared buckets"
+        )
+
+
+jax.monitoring.register_event_duration_secs_listener(_listener)
+
+
+def num_compilations() -> int:
+    """Executables built in this process so far."""
+    return _count
+
+
+@contextlib.contextmanager
+def forbid_compilation():
+    global _forbidden
+    _forbidden += 1
+    try:
+        yield
+    finally:
+        _forbidden -= 1
+
+
+def enable_persistent_cache(cache_dir: str | os.PathLike | None = None) -> Path | None:
+    """Points JAX's persistent compilation cache at `cache_dir` (default ~/.cache/jaxserve/xla).
+
+    JAXSERVE_COMPILATION_CACHE=off disables it; a path there overrides the default.
+    """
+    setting = os.environ.get("JAXSERVE_COMPILATION_CACHE", "")
+    if setting.lower() in ("off", "0", "false", "none"):
+        return None
+    path = Path(cache_dir or setting or Path.home() / ".cache" / "jaxserve" / "xla").expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path

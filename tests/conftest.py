@@ -1,0 +1,36 @@
+"""Shared fixtures: tiny random models saved as HF directories, and a per-session compile cache."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compilation_cache(tmp_path_factory):
+    """One persistent XLA cache per test session, so engines built by several tests share compiles."""
+    if "JAXSERVE_COMPILATION_CACHE" not in os.environ:
+        os.environ["JAXSERVE_COMPILATION_CACHE"] = str(tmp_path_factory.mktemp("xla_cache"))
+    yield
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Returns a function family -> directory of a saved tiny random model (built once per family)."""
+    cache = {}
+
+    def get(family: str = "llama") -> Path:
+        if family not in cache:
+            directory = tmp_path_factory.mktemp(f"tiny_{family}")
+            make_tiny_model(family, directory)
+            cache[family] = directory
+        return cache[family]
+
+    return get

@@ -1,0 +1,157 @@
+"""The engine end to end on a tiny random model: batching invariance, buckets, errors, scheduling."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.compilation import forbid_compilation, num_compilations
+from jaxserve.config import EngineConfig
+from jaxserve.model_runner import decode_buckets, prefill_buckets
+from jaxserve.page_pool import PagePool
+from jaxserve.request import Request, RequestStatus
+from jaxserve.scheduler import Scheduler
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, block_size=8, num_kv_pages=80)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(tiny_model_dir("llama"), **ENGINE)
+
+
+def _prompts(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(256) for _ in range(rng.randint(1, 90))]} for _ in range(n)]
+
+
+def test_alone_equals_batched(llm):
+    """Batch invariance: a sequence's greedy tokens don't depend on what else shares its batch."""
+    prompts = _prompts(7, seed=1)
+    batched = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, together in zip(prompts, batched):
+        alone = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+        assert alone.outputs[0].token_ids == together.outputs[0].token_ids
+        assert len(alone.outputs[0].token_ids) == 12
+
+
+def test_no_compilation_beyond_buckets(tiny_model_dir):
+    """Prompts of many lengths in many batch sizes compile exactly the declared buckets, at warm-up."""
+    before = num_compilations()
+    llm = LLM(tiny_model_dir("llama"), **ENGINE)
+    cfg = llm.config
+    num_buckets = len(prefill_buckets(cfg)) + len(decode_buckets(cfg))
+    assert llm.warmup_summary["num_executables"] == num_buckets
+    assert num_compilations() - before <= num_buckets + 8  # + a few tiny eager ops at load time
+    after_warmup = num_compilations()
+    with forbid_compilation():
+        for batch_size in (1, 2, 3, 5, 8, 13):
+            params = SamplingParams(temperature=0.7, max_tokens=random.Random(batch_size).randint(1, 20))
+            llm.generate(_prompts(batch_size, seed=batch_size), params, use_tqdm=False)
+    assert num_compilations() == after_warmup
+
+
+def test_prompt_errors_name_the_problem(llm):
+    """Bad prompts fail at the public edge with a message naming the problem, and leak no pages."""
+    free = llm.engine.pool.num_free_pages
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""], GREEDY)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([{"prompt_token_ids": []}], GREEDY)
+    with pytest.raises(ValueError, match=r"200 tokens.*max_model_len is 128"):
+        llm.generate([{"prompt_token_ids": [5] * 200}], GREEDY)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([{"prompt_token_ids": [1, 2, 10_000]}], GREEDY)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    # a valid prompt next to a bad one: nothing is queued, nothing leaks
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate(["fine", ""], GREEDY)
+    assert not llm.engine.has_unfinished
+    assert llm.engine.pool.num_free_pages == free
+
+
+def test_generation_stops_at_eos_and_max_model_len(llm):
+    """EOS ends a request with finish_reason 'stop'; max_model_len caps output with 'length'."""
+    out = llm.generate([{"prompt_token_ids": [3] * 120}], SamplingParams(temperature=0, max_tokens=50,
+                                                                          ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].finish_reason == "length"
+    first = llm.generate(["abc"], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+    stop_id = first.outputs[0].token_ids[0]
+    out = llm.generate(["abc"], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_id]),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == [stop_id] and out.outputs[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(llm):
+    """Same seed, same tokens, alone or batched; a different seed gives different tokens."""
+    prompt = {"prompt_token_ids": list(range(40, 60))}
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    batched = llm.generate([prompt] + _prompts(5, seed=3), [params] + [GREEDY] * 5, use_tqdm=False)
+    assert batched[0].outputs[0].token_ids == alone
+    other = llm.generate([prompt], SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].token_ids
+    assert other != alone
+
+
+def test_text_prompts_and_chat(llm):
+    """Text prompts are tokenized; chat applies the template; outputs come back in input order."""
+    outs = llm.generate(["hello", "a longer prompt here"], GREEDY, use_tqdm=False)
+    assert [o.prompt for o in outs] == ["hello", "a longer prompt here"]
+    assert outs[0].prompt_token_ids == llm.tokenizer.encode("hello")
+    chat = llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)[0]
+    assert llm.tokenizer.decode(chat.prompt_token_ids).endswith("<|im_start|>assistant\n")
+    assert len(chat.outputs[0].token_ids) == 12
+
+
+# ------------------------------------------------------------------------------------------------
+# Scheduler and page pool with no model at all
+
+
+def _request(rid: str, num_prompt: int, max_tokens: int = 4) -> Request:
+    return Request(rid, list(range(num_prompt)), SamplingParams(max_tokens=max_tokens), seed=0,
+                   max_tokens=max_tokens)
+
+
+def test_scheduler_chunks_long_prompts_under_the_token_budget():
+    """A prompt longer than the budget is split across steps; running decodes are scheduled first."""
+    cfg = EngineConfig(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, block_size=8)
+    scheduler = Scheduler(cfg, PagePool(64, 8))
+    short, long = _request("short", 5), _request("long", 70)
+    scheduler.add_request(short)
+    out = scheduler.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("short", 5)]
+    scheduler.update_from_output(out, [7])
+    scheduler.add_request(long)
+    chunks = []
+    while long.num_computed_tokens < long.num_tokens:
+        out = scheduler.schedule()
+        assert out.num_tokens <= 32
+        assert ("short", 1) in [(r.request_id, n) for r, n in out.scheduled]  # decode never stalls
+        chunks.append(dict((r.request_id, n) for r, n in out.scheduled)["long"])
+        scheduler.update_from_output(out, [7] * len(out.scheduled))
+        if short.status.is_finished:
+            break
+    assert chunks[:2] == [31, 31]
+
+
+def test_preemption_frees_pages_and_requeues_the_newest():
+    """Out of pages, the most recently admitted request is preempted, its pages freed, requeued first."""
+    cfg = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64, block_size=4)
+    pool = PagePool(6, 4)  # 5 usable pages = 20 tokens
+    scheduler = Scheduler(cfg, pool)
+    first, second = _request("first", 8, max_tokens=10), _request("second", 8, max_tokens=10)
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    out = scheduler.schedule()
+    assert [r.request_id for r, _ in out.scheduled] == ["first", "second"]
+    scheduler.update_from_output(out, [1, 1])  # both now hold 9 tokens: 3 + 3 pages > 5 usable
+    out = scheduler.schedule()
+    assert out.preempted == [second] and second.status is RequestStatus.PREEMPTED
+    assert second.block_table == [] and second.num_computed_tokens == 0
+    assert scheduler.waiting[0] is second and scheduler.num_preemptions == 1
+    assert [r.request_id for r, _ in out.scheduled] == ["first"]
