@@ -10,9 +10,11 @@ reloads fastest.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -279,7 +281,28 @@ def _load_gguf(path: Path, dtype: str) -> LoadedModel:
         return array
 
     params = _params_from_hf(cfg, get, dtype, desc=f"loading {path.name}")
-    return LoadedModel(cfg, params, _load_tokenizer(path.parent, gguf_file=path.name), str(path))
+    return LoadedModel(cfg, params, _load_gguf_tokenizer(path), str(path))
+
+
+def _load_gguf_tokenizer(path: Path):
+    """Builds the tokenizer from GGUF metadata (slow: ~15 s for a 49k vocabulary), cached on disk."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("JAXSERVE_TOKENIZER_CACHE", Path.home() / ".cache" / "jaxserve" / "tokenizers"))
+    cached = cache.expanduser() / key
+    if (cached / "tokenizer_config.json").exists():
+        try:
+            return _load_tokenizer(cached)
+        except ModelLoadError:
+            pass  # a damaged cache entry: rebuild it below
+    tokenizer = _load_tokenizer(path.parent, gguf_file=path.name)
+    try:
+        tmp = cached.with_name(f"{key}.tmp{os.getpid()}")
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, cached) if not cached.exists() else shutil.rmtree(tmp)
+    except OSError:
+        pass  # caching is an optimization; a read-only home must not stop loading
+    return tokenizer
 
 
 # ----------------------------------------------------------------------------------------------

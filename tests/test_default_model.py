@@ -1,0 +1,76 @@
+"""The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) against HF transformers loading the same file."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.weights import default_model_path
+
+pytestmark = pytest.mark.default_model
+
+PLAIN = [
+    "The capital of Germany is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+]
+CHAT = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a CPU does in one sentence.",
+    "List three fruits.",
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(None, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def _hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=eos_id, pad_token_id=eos_id)
+    new = out[0, len(prompt_ids):].tolist()
+    return new[: new.index(eos_id) + 1] if eos_id in new else new
+
+
+def test_greedy_matches_hf_for_chat_and_plain_prompts(llm, hf_model):
+    """32 greedy tokens, identical to HF transformers, for 8 prompts (4 plain, 4 chat) run as one batch."""
+    tok = llm.tokenizer
+    prompts = [{"prompt_token_ids": tok.encode(p)} for p in PLAIN]
+    prompts += [{"prompt_token_ids": tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False)} for c in CHAT]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    eos_id = llm.engine.model_cfg.eos_token_ids[0]
+    for prompt, out in zip(prompts, outs):
+        expected = _hf_greedy(hf_model, prompt["prompt_token_ids"], 32, eos_id)
+        assert out.outputs[0].token_ids == expected, tok.decode(prompt["prompt_token_ids"])
+    assert "Paris" in outs[4].outputs[0].text
+
+
+def test_cli_chat_answers_paris():
+    """`jaxserve chat` reads a question on stdin and answers with Paris."""
+    env = dict(os.environ, JAXSERVE_COMPILATION_CACHE=os.environ.get("JAXSERVE_COMPILATION_CACHE", "off"))
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "chat", "--max-model-len", "512", "--max-num-seqs", "4",
+         "--max-num-batched-tokens", "64"],
+        input="What is the capital of France?\n", capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Paris" in result.stdout
