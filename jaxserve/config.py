@@ -208,6 +208,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 512 * 1024**2
     dtype: str = "float32"
     seed: int = 0
+    enable_prefix_caching: bool = True
+    # Debug: any XLA compilation after warm-up raises (tests run with it on).
+    forbid_compilation_after_warmup: bool = False
     min_prefill_bucket: int = 16
     min_decode_bucket: int = 1
     prefill_query_block: int = 16  # query rows per attention tile in the ragged step

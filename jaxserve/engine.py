@@ -10,6 +10,7 @@ import itertools
 import logging
 import random
 
+from jaxserve.compilation import forbid_compilation, num_compilations
 from jaxserve.config import EngineConfig
 from jaxserve.model_runner import ModelRunner, ScheduledSeq
 from jaxserve.page_pool import PagePool
@@ -36,18 +37,28 @@ class LLMEngine:
                 f"the KV page pool holds {self.runner.max_concurrent_tokens} tokens, fewer than "
                 f"max_model_len={cfg.max_model_len}: raise num_kv_pages or kv_cache_memory_bytes"
             )
-        self.pool = PagePool(self.runner.num_pages, cfg.block_size)
+        self.pool = PagePool(self.runner.num_pages, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.pool)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(cfg.seed)
         self._ids = itertools.count()
+        self.last_schedule = None  # the most recent SchedulerOutput, for tests and debugging
+        self._compilations_after_warmup: int | None = None
         logger.info("max concurrent tokens in the KV pool: %d", self.runner.max_concurrent_tokens)
 
     def warmup(self, show_progress: bool = True) -> dict:
-        return self.runner.warmup(show_progress)
+        summary = self.runner.warmup(show_progress)
+        self._compilations_after_warmup = num_compilations()
+        return summary
+
+    @property
+    def num_compilations_since_warmup(self) -> int | None:
+        if self._compilations_after_warmup is None:
+            return None
+        return num_compilations() - self._compilations_after_warmup
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> Request:
+                    request_id: str | None = None, priority: int = 0) -> Request:
         """Validates and queues one request; raises ValueError naming the problem."""
         prompt = list(prompt_token_ids)
         if not prompt:
@@ -67,7 +78,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         request = Request(request_id, prompt, params, seed=seed, max_tokens=max_tokens,
-                          eos_token_ids=self.model_cfg.eos_token_ids)
+                          eos_token_ids=self.model_cfg.eos_token_ids, priority=priority)
         self.requests[request_id] = request
         self.scheduler.add_request(request)
         return request
@@ -82,8 +93,15 @@ class LLMEngine:
         return self.scheduler.has_unfinished
 
     def step(self) -> list[Request]:
-        """Runs one engine step; returns the requests that finished in it."""
+        """Runs one engine step; returns the requests that got a new token (finished ones included)."""
+        if self.cfg.forbid_compilation_after_warmup and self._compilations_after_warmup is not None:
+            with forbid_compilation():
+                return self._step()
+        return self._step()
+
+    def _step(self) -> list[Request]:
         output = self.scheduler.schedule()
+        self.last_schedule = output
         if not output.scheduled:
             return []
         seqs = [
@@ -97,7 +115,27 @@ class LLMEngine:
             for request, n in output.scheduled
         ]
         sampled = self.runner.execute(seqs)
-        finished = self.scheduler.update_from_output(output, sampled.tolist())
-        for request in finished:
-            self.requests.pop(request.request_id, None)
-        return finished
+        updated = self.scheduler.update_from_output(output, sampled.tolist())
+        for request in updated:
+            if request.status.is_finished:
+                self.requests.pop(request.request_id, None)
+        return updated
+
+    def get_stats(self) -> dict:
+        """Counters: prompt tokens computed vs found in the prefix cache, preemptions, pages, compiles."""
+        scheduler, pool = self.scheduler, self.pool
+        return {
+            "num_running": len(scheduler.running),
+            "num_waiting": len(scheduler.waiting),
+            "prompt_tokens_computed": scheduler.num_computed_prompt_tokens,
+            "prompt_tokens_cached": scheduler.num_cached_prompt_tokens,
+            "prefix_cache_queries": pool.num_queried_tokens,
+            "prefix_cache_hits": pool.num_hit_tokens,
+            "num_preemptions": scheduler.num_preemptions,
+            "num_pages": pool.num_pages - 1,
+            "num_used_pages": pool.num_used_pages,
+            "num_cached_pages": pool.num_cached_pages,
+            "kv_cache_usage": pool.usage,
+            "compilations_since_warmup": self.num_compilations_since_warmup,
+            "compiled_shapes": self.runner.compiled_shapes,
+        }

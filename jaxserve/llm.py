@@ -101,13 +101,8 @@ class LLM:
                              sampling_params, use_tqdm)
 
     def get_stats(self) -> dict:
-        pool = self.engine.pool
-        return {
-            "num_preemptions": self.engine.scheduler.num_preemptions,
-            "num_free_pages": pool.num_free_pages,
-            "kv_cache_usage": pool.usage,
-            "compiled_shapes": self.engine.runner.compiled_shapes,
-        }
+        """The engine's counters; see `LLMEngine.get_stats`."""
+        return self.engine.get_stats()
 
     # ----------------------------------------------------------------------------------------------
 
@@ -130,7 +125,7 @@ class LLM:
         with tqdm(total=len(requests), desc="generating", unit="req", disable=not use_tqdm) as bar:
             while pending:
                 for request in self.engine.step():
-                    if request.request_id in pending:
+                    if request.status.is_finished and request.request_id in pending:
                         pending.discard(request.request_id)
                         bar.update(1)
 

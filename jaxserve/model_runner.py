@@ -54,6 +54,7 @@ def decode_buckets(cfg: EngineConfig) -> list[int]:
 
 
 def pick_bucket(buckets: list[int], size: int) -> int:
+    assert size <= buckets[-1], f"{size=} exceeds the largest bucket {buckets[-1]}"
     return next(b for b in buckets if b >= size)
 
 

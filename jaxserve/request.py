@@ -33,10 +33,14 @@ class Request:
     seed: int  # the request's own seed, or one drawn for it by the engine
     max_tokens: int  # sampling_params.max_tokens capped so prompt + output fits max_model_len
     eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0  # lower runs first; ties go by arrival
+    arrival_index: int = 0  # set by the scheduler: the order requests arrived in
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the pages
     block_table: list[int] = dataclasses.field(default_factory=list)
+    page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of the full pages so far
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at (last) admission
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | None = None  # the stop token id that ended it, if any
 

