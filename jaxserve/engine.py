@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import threading
 
 from jaxserve.compilation import forbid_compilation, num_compilations
 from jaxserve.config import EngineConfig
@@ -41,6 +42,7 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg, self.pool)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(cfg.seed)
+        self._lock = threading.Lock()
         self._ids = itertools.count()
         self.last_schedule = None  # the most recent SchedulerOutput, for tests and debugging
         self._compilations_after_warmup: int | None = None
@@ -57,9 +59,9 @@ class LLMEngine:
             return None
         return num_compilations() - self._compilations_after_warmup
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, priority: int = 0) -> Request:
-        """Validates and queues one request; raises ValueError naming the problem."""
+    def make_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                     request_id: str | None = None, priority: int = 0) -> Request:
+        """Validates a request without queueing it (safe from any thread); raises ValueError naming the problem."""
         prompt = list(prompt_token_ids)
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -73,13 +75,21 @@ class LLMEngine:
             )
         room = self.cfg.max_model_len - len(prompt)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
-        request = Request(request_id, prompt, params, seed=seed, max_tokens=max_tokens,
-                          eos_token_ids=self.model_cfg.eos_token_ids, priority=priority)
-        self.requests[request_id] = request
+        with self._lock:
+            request_id = f"req-{next(self._ids)}" if request_id is None else request_id
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
+        return Request(request_id, prompt, params, seed=seed, max_tokens=max_tokens,
+                       eos_token_ids=self.model_cfg.eos_token_ids, priority=priority)
+
+    def add_request(self, prompt_token_ids: list[int] | Request, params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0) -> Request:
+        """Validates (unless given a made Request) and queues one request. Call from the engine's thread."""
+        request = prompt_token_ids
+        if not isinstance(request, Request):
+            request = self.make_request(prompt_token_ids, params, request_id, priority)
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
         self.scheduler.add_request(request)
         return request
 

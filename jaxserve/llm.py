@@ -62,7 +62,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generates for every prompt (str or {"prompt_token_ids": [...]}); outputs in input order.
+
+        `priority` (one int per prompt, lower first) only matters when requests compete for slots.
+        """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -72,15 +76,15 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
-        encoded = [self._encode(p) for p in prompts]  # validate everything before queueing anything
-        requests: list[Request] = []
-        try:
-            for (text, ids), params in zip(encoded, sampling_params):
-                requests.append(self.engine.add_request(ids, params))
-        except ValueError:
-            for request in requests:
-                self.engine.abort_request(request.request_id)
-            raise
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        encoded = [self._encode(p) for p in prompts]
+        # Validate everything before queueing anything, so a bad prompt leaves nothing behind.
+        requests = [self.engine.make_request(ids, params, priority=prio)
+                    for (_, ids), params, prio in zip(encoded, sampling_params, priority)]
+        for request in requests:
+            self.engine.add_request(request)
         self._run(requests, use_tqdm)
         return [self._output(r, text) for r, (text, _) in zip(requests, encoded)]
 

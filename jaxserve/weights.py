@@ -258,6 +258,9 @@ def _load_gguf(path: Path, dtype: str) -> LoadedModel:
     except Exception as e:
         raise ModelLoadError(f"cannot build a model config from GGUF metadata in {str(path)!r}: {e}") from None
     cfg = ModelConfig.from_hf(hf_config)
+    key_length = reader.fields.get(f"{arch}.attention.key_length")
+    if key_length is not None:  # transformers ignores it for qwen3 and falls back to head_dim=128
+        cfg = dataclasses.replace(cfg, head_dim=int(key_length.contents()))
     tensors = {}
     for tensor in reader.tensors:
         hf_name = _gguf_to_hf_name(tensor.name, arch)

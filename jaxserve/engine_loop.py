@@ -1,0 +1,161 @@
+"""The engine loop in a background thread, for callers on other threads or an asyncio loop.
+
+One thread owns the `LLMEngine` and is the only one to touch the scheduler and the device; callers
+submit and abort through a command queue and read per-request streams of token deltas. XLA releases
+the GIL while a step runs on the device, so an HTTP event loop in the main thread stays responsive.
+A crash in the loop fails every open stream and leaves `error` set, so health checks can say so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+
+from jaxserve.engine import LLMEngine
+from jaxserve.request import Request
+from jaxserve.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class StreamDelta:
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # set on a request's last delta
+    error: BaseException | None = None  # set if the request failed instead
+
+
+class RequestStream:
+    """Token deltas of one request, readable from a thread (iteration) or asyncio (`async for`)."""
+
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop | None = None):
+        self.request = request
+        self._loop = loop
+        self._queue: queue.SimpleQueue | asyncio.Queue = asyncio.Queue() if loop else queue.SimpleQueue()
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def put(self, delta: StreamDelta) -> None:
+        if self._loop is None:
+            self._queue.put(delta)
+        elif not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, delta)
+
+    def __iter__(self):
+        while True:
+            delta = self._queue.get()
+            yield delta
+            if delta.finish_reason is not None or delta.error is not None:
+                return
+
+    async def __aiter__(self):
+        while True:
+            delta = await self._queue.get()
+            yield delta
+            if delta.finish_reason is not None or delta.error is not None:
+                return
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05):
+        self.engine = engine
+        self.error: BaseException | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._sent: dict[str, int] = {}  # tokens already delivered per request
+        self._wakeup = threading.Event()
+        self._stopped = threading.Event()
+        self._idle_wait_s = idle_wait_s
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self._stopped.set()
+        self._wakeup.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    # -- callers' side (any thread) -----------------------------------------------------------------
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+               priority: int = 0, loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
+        """Validates now (raising ValueError to the caller) and queues the request for the engine."""
+        if not self.is_alive:
+            raise RuntimeError("the engine loop is not running") from self.error
+        stream = RequestStream(self.engine.make_request(prompt_token_ids, params, request_id, priority), loop)
+        self._commands.put(("add", stream))
+        self._wakeup.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wakeup.set()
+
+    # -- the engine's thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                self._apply_commands()
+                if not self.engine.has_unfinished:
+                    self._wakeup.wait(self._idle_wait_s)
+                    self._wakeup.clear()
+                    continue
+                for request in self.engine.step():
+                    self._deliver(request)
+        except BaseException as e:  # noqa: BLE001 - the loop must report any death
+            logger.exception("the engine loop died")
+            self.error = e
+            for stream in list(self._streams.values()):
+                stream.put(StreamDelta([], error=e))
+            self._streams.clear()
+            return
+        for stream in list(self._streams.values()):  # shut down: end every open stream
+            stream.put(StreamDelta([], error=RuntimeError("the engine is shutting down")))
+            self.engine.abort_request(stream.request_id)
+        self._streams.clear()
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command == "add":
+                try:
+                    self.engine.add_request(arg.request)
+                except ValueError as e:
+                    arg.put(StreamDelta([], error=e))
+                    continue
+                self._streams[arg.request_id] = arg
+                self._sent[arg.request_id] = 0
+            elif command == "abort":
+                stream = self._streams.pop(arg, None)
+                self._sent.pop(arg, None)
+                self.engine.abort_request(arg)
+                if stream is not None:
+                    stream.put(StreamDelta([], finish_reason="abort"))
+
+    def _deliver(self, request: Request) -> None:
+        stream = self._streams.get(request.request_id)
+        if stream is None:
+            return
+        sent = self._sent[request.request_id]
+        new = request.output_token_ids[sent:]
+        self._sent[request.request_id] = len(request.output_token_ids)
+        if request.status.is_finished:
+            self._streams.pop(request.request_id)
+            self._sent.pop(request.request_id)
+        stream.put(StreamDelta(new, request.finish_reason))
