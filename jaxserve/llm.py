@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 from typing import Any, Sequence
 
 from tqdm.auto import tqdm
@@ -58,7 +59,16 @@ class LLM:
         self.config = EngineConfig(dtype=dtype, **engine_kwargs)
         self.tokenizer = loaded.tokenizer
         self.engine = LLMEngine(loaded, self.config)
-        self.warmup_summary = self.engine.warmup() if warmup else None
+        runner = self.engine.runner
+        print(f"jaxserve: {loaded.config.architecture} from {loaded.source}; KV cache {runner.num_pages - 1} pages x "
+              f"{self.config.block_size} tokens = {runner.max_concurrent_tokens} max concurrent tokens "
+              f"({runner.kv_cache_bytes / 2**20:.0f} MiB)", file=sys.stderr)
+        self.warmup_summary = None
+        if warmup:
+            self.warmup_summary = summary = self.engine.warmup()
+            print(f"jaxserve: {summary['num_executables']} executables ready in {summary['seconds']:.1f} s "
+                  f"(prefill token buckets {summary['prefill_buckets']}, decode batch buckets "
+                  f"{summary['decode_buckets']})", file=sys.stderr)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

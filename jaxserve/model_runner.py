@@ -103,7 +103,7 @@ class ModelRunner:
         logger.info(
             "KV cache: %d pages of %d tokens (%d max concurrent tokens), %.1f MiB",
             self.num_pages - 1, engine_cfg.block_size, self.max_concurrent_tokens,
-            2 * self.kv_cache[0].nbytes / 2**20,
+            self.kv_cache_bytes / 2**20,
         )
 
     def _num_pages(self) -> int:
@@ -117,6 +117,10 @@ class ModelRunner:
                 f"{per_page} bytes; at least 2 are needed"
             )
         return int(num_pages)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(pages.nbytes for pages in self.kv_cache)
 
     @property
     def max_concurrent_tokens(self) -> int:
