@@ -13,6 +13,7 @@ import threading
 
 from jaxserve.compilation import forbid_compilation, num_compilations
 from jaxserve.config import EngineConfig
+from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.model_runner import ModelRunner, ScheduledSeq
 from jaxserve.page_pool import PagePool
 from jaxserve.request import Request, RequestStatus
@@ -27,6 +28,7 @@ class LLMEngine:
     def __init__(self, model: LoadedModel, cfg: EngineConfig):
         self.model, self.cfg = model, cfg
         self.model_cfg = model.config
+        self.tokenizer = model.tokenizer
         if cfg.max_model_len > self.model_cfg.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={cfg.max_model_len} exceeds the model's "
@@ -60,7 +62,7 @@ class LLMEngine:
         return num_compilations() - self._compilations_after_warmup
 
     def make_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                     request_id: str | None = None, priority: int = 0) -> Request:
+                     request_id: str | None = None, priority: int = 0, sample_index: int = 0) -> Request:
         """Validates a request without queueing it (safe from any thread); raises ValueError naming the problem."""
         prompt = list(prompt_token_ids)
         if not prompt:
@@ -78,8 +80,19 @@ class LLMEngine:
         with self._lock:
             request_id = f"req-{next(self._ids)}" if request_id is None else request_id
             seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
-        return Request(request_id, prompt, params, seed=seed, max_tokens=max_tokens,
-                       eos_token_ids=self.model_cfg.eos_token_ids, priority=priority)
+        seed = (seed + sample_index * 0x9E3779B9) % 2**32  # n > 1: each sample its own stream
+        bad = [t for t in [*params.stop_token_ids, *(params.logit_bias or {})]
+               if not 0 <= t < self.model_cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} in stop_token_ids/logit_bias are outside the vocabulary "
+                             f"[0, {self.model_cfg.vocab_size})")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported yet")
+        request = Request(request_id, prompt, params, seed=seed, max_tokens=max_tokens,
+                          eos_token_ids=self.model_cfg.eos_token_ids, priority=priority)
+        if self.tokenizer is not None:
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, params, prompt)
+        return request
 
     def add_request(self, prompt_token_ids: list[int] | Request, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0) -> Request:
@@ -114,22 +127,38 @@ class LLMEngine:
         self.last_schedule = output
         if not output.scheduled:
             return []
-        seqs = [
-            ScheduledSeq(
-                token_ids=request.all_token_ids[request.num_computed_tokens: request.num_computed_tokens + n],
-                num_computed_tokens=request.num_computed_tokens,
-                block_table=request.block_table,
-                temperature=request.sampling_params.temperature,
-                seed=request.seed,
-            )
-            for request, n in output.scheduled
-        ]
-        sampled = self.runner.execute(seqs)
-        updated = self.scheduler.update_from_output(output, sampled.tolist())
+        seqs = [self._scheduled_seq(request, n) for request, n in output.scheduled]
+        with_logprobs = any(r.sampling_params.logprobs is not None for r, _ in output.scheduled)
+        sampled = self.runner.fetch(self.runner.execute(seqs), len(seqs), with_logprobs)
+        updated = self.scheduler.update_from_output(output, sampled)
         for request in updated:
+            self._detokenize(request)
             if request.status.is_finished:
                 self.requests.pop(request.request_id, None)
         return updated
+
+    def _scheduled_seq(self, request: Request, num_new: int) -> ScheduledSeq:
+        start, params = request.num_computed_tokens, request.sampling_params
+        tokens = request.all_token_ids
+        return ScheduledSeq(
+            token_ids=tokens[start:start + num_new],
+            num_computed_tokens=start,
+            block_table=request.block_table,
+            params=params,
+            seed=request.seed,
+            prompt_len=len(request.prompt_token_ids),
+            history=tokens[:start + num_new] if params.uses_penalties else None,
+            suppress_ids=request.suppressed_token_ids,
+        )
+
+    def _detokenize(self, request: Request) -> None:
+        """Decodes the request's newest token; a stop string finishes the request."""
+        if request.detokenizer is None:
+            return
+        stop = request.detokenizer.add(request.output_token_ids[-1:])
+        if stop is not None and not request.status.is_finished:
+            request.stop_reason = stop
+            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
 
     def get_stats(self) -> dict:
         """Counters: prompt tokens computed vs found in the prefix cache, preemptions, pages, compiles."""

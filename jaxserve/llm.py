@@ -145,7 +145,7 @@ class LLM:
 
     def _output(self, request: Request, prompt: str | None) -> RequestOutput:
         params = request.sampling_params
-        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+        text = request.output_text
         completion = CompletionOutput(0, text, list(request.output_token_ids), request.finish_reason,
                                       request.stop_reason)
         return RequestOutput(request.request_id, prompt, request.prompt_token_ids, [completion])

@@ -29,7 +29,7 @@ from jaxserve import compilation  # noqa: F401  (registers the compilation count
 from jaxserve.attention import AttentionMetadata
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.models.transformer import forward, init_kv_cache, kv_bytes_per_token
-from jaxserve.sampling import sample
+from jaxserve.sampling import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplerOutput, SamplingParams, SamplingTensors, sample
 
 logger = logging.getLogger(__name__)
 DUMMY_PAGE = 0
@@ -65,8 +65,11 @@ class ScheduledSeq:
     token_ids: list[int]  # the new tokens of this step
     num_computed_tokens: int  # tokens already in the KV pages
     block_table: list[int]  # page ids, covering num_computed_tokens + len(token_ids)
-    temperature: float
+    params: SamplingParams
     seed: int
+    prompt_len: int = 0
+    history: list[int] | None = None  # all token ids so far, only when penalties are on
+    suppress_ids: tuple[int, ...] = ()  # ids banned this step (EOS and stop ids before min_tokens)
 
 
 class StepInputs(NamedTuple):
@@ -74,9 +77,7 @@ class StepInputs(NamedTuple):
     positions: np.ndarray  # [T] int32
     md: AttentionMetadata  # slot_mapping [T], cu_q_lens [S+1], kv_lens [S], block_tables [S, P]
     logits_indices: np.ndarray  # [S] int32, each sequence's last row
-    temperature: np.ndarray  # [S] f32
-    seeds: np.ndarray  # [S] uint32
-    sample_positions: np.ndarray  # [S] int32, the position of the token each row samples
+    sampling: SamplingTensors  # [S] rows
 
 
 def _step(params, kv_cache, inputs: StepInputs, *, cfg: ModelConfig, q_block: int, kv_block: int):
@@ -84,8 +85,7 @@ def _step(params, kv_cache, inputs: StepInputs, *, cfg: ModelConfig, q_block: in
         params, cfg, inputs.token_ids, inputs.positions, kv_cache, inputs.md, inputs.logits_indices,
         q_block=q_block, kv_block=kv_block,
     )
-    tokens = sample(logits, inputs.temperature, inputs.seeds, inputs.sample_positions)
-    return tokens, kv_cache
+    return sample(logits, inputs.sampling), kv_cache
 
 
 class ModelRunner:
@@ -100,6 +100,8 @@ class ModelRunner:
         self._prefill = jax.jit(functools.partial(step, q_block=engine_cfg.prefill_query_block), donate_argnums=1)
         self._decode = jax.jit(functools.partial(step, q_block=1), donate_argnums=1)
         self._executables: dict[tuple[str, int], object] = {}
+        # logit_bias entries, plus EOS and stop ids suppressed before min_tokens
+        self.bias_width = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + len(model_cfg.eos_token_ids)
         logger.info(
             "KV cache: %d pages of %d tokens (%d max concurrent tokens), %.1f MiB",
             self.num_pages - 1, engine_cfg.block_size, self.max_concurrent_tokens,
@@ -138,9 +140,20 @@ class ModelRunner:
             md=AttentionMetadata(i32(num_tokens), i32(num_seqs + 1), i32(num_seqs),
                                  i32(num_seqs, self.cfg.pages_per_seq)),
             logits_indices=i32(num_seqs),
-            temperature=jax.ShapeDtypeStruct((num_seqs,), jnp.float32),
-            seeds=jax.ShapeDtypeStruct((num_seqs,), jnp.uint32),
-            sample_positions=i32(num_seqs),
+            sampling=jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self._empty_sampling(num_seqs)),
+        )
+
+    def _empty_sampling(self, num_seqs: int) -> SamplingTensors:
+        """Host arrays for `num_seqs` inert rows (greedy, everything off)."""
+        f32 = lambda value: np.full(num_seqs, value, np.float32)  # noqa: E731
+        return SamplingTensors(
+            temperature=f32(0.0), top_k=np.zeros(num_seqs, np.int32), top_p=f32(1.0), min_p=f32(0.0),
+            presence_penalty=f32(0.0), frequency_penalty=f32(0.0), repetition_penalty=f32(1.0),
+            seeds=np.zeros(num_seqs, np.uint32), positions=np.zeros(num_seqs, np.int32),
+            bias_ids=np.full((num_seqs, self.bias_width), self.model_cfg.vocab_size, np.int32),
+            bias_values=np.zeros((num_seqs, self.bias_width), np.float32),
+            history=np.full((num_seqs, self.cfg.max_model_len), -1, np.int32),
+            prompt_lens=np.zeros(num_seqs, np.int32), want_logprobs=np.zeros(num_seqs, np.bool_),
         )
 
     def warmup(self, show_progress: bool = True) -> dict:
@@ -167,8 +180,12 @@ class ModelRunner:
 
     # -- one step ---------------------------------------------------------------------------------
 
-    def execute(self, seqs: list[ScheduledSeq]) -> np.ndarray:
-        """Runs one step over the scheduled sequences; returns one sampled token id per sequence."""
+    def execute(self, seqs: list[ScheduledSeq]) -> SamplerOutput:
+        """Launches one step over the scheduled sequences; returns its (device) sampler output.
+
+        The result is not waited for: callers can do host work while the device runs, then read it
+        with `fetch`.
+        """
         assert seqs, "nothing scheduled"
         num_tokens = sum(len(s.token_ids) for s in seqs)
         if all(len(s.token_ids) == 1 for s in seqs) and len(seqs) <= self.cfg.max_num_seqs:
@@ -181,8 +198,15 @@ class ModelRunner:
         inputs = self._build_inputs(seqs, num_tokens=bucket, num_seqs=num_seqs)
         if (kind, bucket) not in self._executables:
             self.warmup(show_progress=False)  # only before warm-up ran; afterwards every key exists
-        tokens, self.kv_cache = self._executables[kind, bucket](self.params, self.kv_cache, inputs)
-        return np.asarray(tokens)[: len(seqs)]
+        output, self.kv_cache = self._executables[kind, bucket](self.params, self.kv_cache, inputs)
+        return output
+
+    @staticmethod
+    def fetch(output: SamplerOutput, num_seqs: int, with_logprobs: bool) -> SamplerOutput:
+        """Copies the sampled tokens (and logprobs only if some row asked) to the host."""
+        if not with_logprobs:
+            return SamplerOutput(np.asarray(output.token_ids)[:num_seqs], None, None, None)
+        return SamplerOutput(*(np.asarray(a)[:num_seqs] for a in output))
 
     def _build_inputs(self, seqs: list[ScheduledSeq], num_tokens: int, num_seqs: int) -> StepInputs:
         page_size = self.cfg.block_size
@@ -192,8 +216,7 @@ class ModelRunner:
         cu_q_lens = np.zeros(num_seqs + 1, np.int32)
         kv_lens = np.zeros(num_seqs, np.int32)
         block_tables = np.full((num_seqs, self.cfg.pages_per_seq), DUMMY_PAGE, np.int32)
-        temperature = np.zeros(num_seqs, np.float32)
-        seeds = np.zeros(num_seqs, np.uint32)
+        sampling = self._empty_sampling(num_seqs)
         row = 0
         for i, s in enumerate(seqs):
             n = len(s.token_ids)
@@ -204,10 +227,27 @@ class ModelRunner:
             slot_mapping[row:row + n] = table[pos // page_size] * page_size + pos % page_size
             block_tables[i, : len(table)] = table
             kv_lens[i] = s.num_computed_tokens + n
-            temperature[i], seeds[i] = s.temperature, s.seed
+            self._fill_sampling_row(sampling, i, s)
             row += n
             cu_q_lens[i + 1] = row
         cu_q_lens[len(seqs) + 1:] = row
         logits_indices = np.maximum(cu_q_lens[1:] - 1, 0)
+        sampling.positions[:] = kv_lens
         md = AttentionMetadata(slot_mapping, cu_q_lens, kv_lens, block_tables)
-        return StepInputs(token_ids, positions, md, logits_indices, temperature, seeds, kv_lens.copy())
+        return StepInputs(token_ids, positions, md, logits_indices, sampling)
+
+    def _fill_sampling_row(self, t: SamplingTensors, i: int, s: ScheduledSeq) -> None:
+        p = s.params
+        t.temperature[i], t.top_k[i], t.top_p[i], t.min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+        t.presence_penalty[i], t.frequency_penalty[i] = p.presence_penalty, p.frequency_penalty
+        t.repetition_penalty[i], t.seeds[i] = p.repetition_penalty, s.seed
+        t.want_logprobs[i] = p.logprobs is not None
+        bias = dict(p.logit_bias or {})
+        for token in s.suppress_ids:
+            bias[token] = -np.inf
+        if bias:
+            t.bias_ids[i, : len(bias)] = list(bias)
+            t.bias_values[i, : len(bias)] = list(bias.values())
+        if s.history is not None:
+            t.history[i, : len(s.history)] = s.history
+            t.prompt_lens[i] = s.prompt_len

@@ -42,7 +42,23 @@ class Request:
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of the full pages so far
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at (last) admission
     status: RequestStatus = RequestStatus.WAITING
-    stop_reason: int | None = None  # the stop token id that ended it, if any
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # Per output token, when sampling_params.logprobs is set: {token_id: logprob}, sampled token first.
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    detokenizer: object | None = None  # IncrementalDetokenizer, set by the engine
+
+    @property
+    def output_text(self) -> str:
+        return self.detokenizer.text if self.detokenizer is not None else ""
+
+    @property
+    def suppressed_token_ids(self) -> tuple[int, ...]:
+        """EOS and stop ids are banned until min_tokens outputs exist."""
+        params = self.sampling_params
+        if len(self.output_token_ids) >= params.min_tokens:
+            return ()
+        eos = () if params.ignore_eos else self.eos_token_ids
+        return tuple(dict.fromkeys([*eos, *params.stop_token_ids]))
 
     @property
     def num_tokens(self) -> int:

@@ -1,17 +1,27 @@
 """Sampling parameters (vLLM's names and defaults) and the on-device sampler.
 
 Every per-request setting reaches the device as a per-row array, never as a static argument, so
-greedy and random rows share one executable per bucket. A row's random key is derived from its
-request's seed and the position of the token being sampled, so a seeded request samples the same
-tokens whatever else shares its batch.
+greedy and random rows, top-k/top-p/min-p, penalties and logit biases share one executable per
+bucket; optional work (penalties, truncation, logprobs) sits behind `lax.cond` on whether any row
+asked for it. A row's random key is derived from its request's seed and the position of the token
+being sampled, so a seeded request samples the same tokens whatever else shares its batch.
+
+Logprobs are the log-softmax of the model's raw logits (before penalties, biases, temperature and
+truncation), as in vLLM's default `logprobs_mode="raw_logprobs"`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default max_logprobs
+MAX_LOGIT_BIAS = 300  # logit_bias entries per request
+MAX_STOP_TOKEN_IDS = 64
+_BISECT_STEPS = 32
 
 
 @dataclasses.dataclass
@@ -22,12 +32,21 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 means off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None
     max_tokens: int | None = 16  # None means up to max_model_len
     min_tokens: int = 0
+    stop: str | list[str] | None = None
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # top alternatives to return besides the sampled token
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
         def check(ok: bool, message: str):
@@ -38,30 +57,144 @@ class SamplingParams:
         check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         check(self.top_k == -1 or self.top_k >= 0, f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        check(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        check(-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
         check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         check(self.seed is None or 0 <= self.seed < 2**32, f"seed must be in [0, 2**32), got {self.seed}")
-        # Until the full sampler lands, refuse settings we would otherwise silently ignore.
-        check(self.top_p == 1.0, "top_p other than 1.0 is not supported yet")
-        check(self.top_k in (0, -1), "top_k is not supported yet")
-        check(self.n == 1, "n > 1 is not supported yet")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(value is None or 0 <= value <= MAX_LOGPROBS, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or [])]
+        check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+              f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
+        bias = self.logit_bias or {}
+        check(len(bias) <= MAX_LOGIT_BIAS, f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(bias)}")
+        self.logit_bias = {int(k): float(v) for k, v in bias.items()} or None
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
-def sample(logits, temperature, seeds, positions):
-    """Samples one token per row.
+class SamplingTensors(NamedTuple):
+    """Per-row sampling settings; padded rows are greedy with everything off."""
 
-    logits [S, vocab] f32; temperature [S] (0 = greedy); seeds [S] uint32; positions [S] int32
-    (the position the sampled token will take). Returns token ids [S] int32.
+    temperature: jax.Array  # [S] f32, 0 = greedy
+    top_k: jax.Array  # [S] int32, 0 = off
+    top_p: jax.Array  # [S] f32
+    min_p: jax.Array  # [S] f32
+    presence_penalty: jax.Array  # [S] f32
+    frequency_penalty: jax.Array  # [S] f32
+    repetition_penalty: jax.Array  # [S] f32
+    seeds: jax.Array  # [S] uint32
+    positions: jax.Array  # [S] int32, the position the sampled token will take
+    bias_ids: jax.Array  # [S, B] int32, vocab_size where unused
+    bias_values: jax.Array  # [S, B] f32
+    history: jax.Array  # [S, H] int32: prompt then output token ids, -1 padded (penalty rows only)
+    prompt_lens: jax.Array  # [S] int32, where the output part of `history` starts
+    want_logprobs: jax.Array  # [S] bool
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: jax.Array  # [S] int32
+    logprobs: jax.Array  # [S] f32, of the sampled token
+    top_ids: jax.Array  # [S, MAX_LOGPROBS] int32 (zeros unless some row wanted logprobs)
+    top_logprobs: jax.Array  # [S, MAX_LOGPROBS] f32
+
+
+def apply_penalties(logits, t: SamplingTensors):
+    """Repetition (prompt + output, HF-style), frequency and presence (output only) penalties."""
+    num_seqs, vocab = logits.shape
+    rows = jnp.arange(num_seqs)[:, None]
+    ids = jnp.where(t.history >= 0, t.history, vocab)  # vocab = a dropped column
+    is_output = jnp.arange(t.history.shape[1])[None, :] >= t.prompt_lens[:, None]
+    counts = jnp.zeros((num_seqs, vocab + 1), jnp.float32).at[rows, ids].add(is_output.astype(jnp.float32))
+    seen = jnp.zeros((num_seqs, vocab + 1), jnp.bool_).at[rows, ids].set(True)
+    counts, seen = counts[:, :vocab], seen[:, :vocab]
+    rep = t.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - t.frequency_penalty[:, None] * counts - t.presence_penalty[:, None] * (counts > 0)
+
+
+def _truncation_threshold(scaled, probs, top_k, top_p):
+    """Per row, the largest logit threshold that keeps >= top_k tokens and >= top_p of the mass.
+
+    A bisection over logit values instead of a full-vocabulary sort (which is ~100x slower on CPU).
+    Rows with top_k = 0 and top_p = 1 get -inf (keep all).
     """
-    greedy = jnp.argmax(logits, axis=-1)
+    k = jnp.where(top_k > 0, top_k, scaled.shape[-1]).astype(jnp.float32)[:, None]
+    p = top_p[:, None]
+    lo = jnp.min(scaled, axis=-1, keepdims=True)  # criterion holds at lo: everything kept
+    hi = jnp.max(scaled, axis=-1, keepdims=True)  # the max token always kept
+
+    def step(_, bounds):
+        lo, hi = bounds
+        mid = (lo + hi) / 2
+        kept = scaled >= mid
+        ok = (kept.sum(-1, keepdims=True) >= k) & ((probs * kept).sum(-1, keepdims=True) >= p * (1 - 1e-6))
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo, hi = jax.lax.fori_loop(0, _BISECT_STEPS, step, (lo, hi))
+    # `hi` may still satisfy the criterion when it is itself a logit value; check it exactly.
+    kept_hi = scaled >= hi
+    hi_ok = (kept_hi.sum(-1, keepdims=True) >= k) & ((probs * kept_hi).sum(-1, keepdims=True) >= p * (1 - 1e-6))
+    threshold = jnp.where(hi_ok, hi, lo)
+    off = ((top_k <= 0) & (top_p >= 1.0))[:, None]
+    return jnp.where(off, -jnp.inf, threshold)
+
+
+def sample(logits, t: SamplingTensors) -> SamplerOutput:
+    """Samples one token per row from logits [S, vocab] f32."""
+    num_seqs, vocab = logits.shape
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    processed = jax.lax.cond(
+        jnp.any((t.presence_penalty != 0) | (t.frequency_penalty != 0) | (t.repetition_penalty != 1)),
+        apply_penalties, lambda logits, t: logits, logits, t,
+    )
+    rows = jnp.arange(num_seqs)[:, None]
+    processed = processed.at[rows, t.bias_ids].add(t.bias_values, mode="drop")
+    greedy = jnp.argmax(processed, axis=-1)
+
+    scaled = processed / jnp.maximum(t.temperature, 1e-6)[:, None]
+    probs = jax.nn.softmax(scaled, axis=-1)
+    keep = probs >= t.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+    threshold = jax.lax.cond(
+        jnp.any((t.top_k > 0) | (t.top_p < 1.0)),
+        _truncation_threshold, lambda s, p, k, tp: jnp.full((num_seqs, 1), -jnp.inf),
+        scaled, probs, t.top_k, t.top_p,
+    )
+    keep &= scaled >= threshold
 
     def gumbel(seed, position):
-        key = jax.random.fold_in(jax.random.key(seed), position)
-        return jax.random.gumbel(key, logits.shape[-1:], jnp.float32)
+        return jax.random.gumbel(jax.random.fold_in(jax.random.key(seed), position), (vocab,), jnp.float32)
 
-    noise = jax.vmap(gumbel)(seeds, positions)  # [S, vocab]
-    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    sampled = jnp.argmax(scaled + noise, axis=-1)
-    return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+    noise = jax.lax.cond(
+        jnp.any(t.temperature > 0),
+        lambda: jax.vmap(gumbel)(t.seeds, t.positions),
+        lambda: jnp.zeros((num_seqs, vocab), jnp.float32),
+    )
+    sampled = jnp.argmax(jnp.where(keep, scaled + noise, -jnp.inf), axis=-1)
+    tokens = jnp.where(t.temperature > 0, sampled, greedy).astype(jnp.int32)
+
+    token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_logprobs, top_ids = jax.lax.cond(
+        jnp.any(t.want_logprobs),
+        lambda lp: tuple(jax.lax.top_k(lp, MAX_LOGPROBS)),
+        lambda lp: (jnp.zeros((num_seqs, MAX_LOGPROBS), lp.dtype), jnp.zeros((num_seqs, MAX_LOGPROBS), jnp.int32)),
+        raw_logprobs,
+    )
+    return SamplerOutput(tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs)

@@ -130,19 +130,23 @@ class Scheduler:
         self._enqueue(request)
         self.num_preemptions += 1
 
-    def update_from_output(self, output: SchedulerOutput, sampled: list[int]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled) -> list[Request]:
         """Advances each scheduled request; appends its sampled token if its prompt is done.
 
-        Returns the requests that got a new token this step; finished ones have their pages freed.
+        `sampled` is the host SamplerOutput (or a plain list of token ids). Returns the requests that
+        got a new token this step; finished ones have their pages freed.
         """
+        tokens = getattr(sampled, "token_ids", sampled)
         updated = []
-        for (request, num_new), token in zip(output.scheduled, sampled):
+        for i, ((request, num_new), token) in enumerate(zip(output.scheduled, tokens)):
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += num_new
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prompt chunk that is not the last: its sample is meaningless
             request.output_token_ids.append(int(token))
+            if request.sampling_params.logprobs is not None:
+                request.logprobs.append(_logprob_entry(sampled, i, request.sampling_params.logprobs))
             updated.append(request)
             if request.check_stop():
                 self.finish(request)
@@ -156,3 +160,10 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.pool.free(request.block_table)
+
+
+def _logprob_entry(sampled, row: int, num_top: int) -> dict[int, float]:
+    entry = {int(sampled.token_ids[row]): float(sampled.logprobs[row])}
+    for token, logprob in zip(sampled.top_ids[row][:num_top], sampled.top_logprobs[row][:num_top]):
+        entry.setdefault(int(token), float(logprob))
+    return entry
