@@ -24,7 +24,10 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass
 class StreamDelta:
     new_token_ids: list[int]
+    text: str = ""  # new text; the tail a stop string might still claim is held back until it can't
+    logprobs: list[dict[int, float]] | None = None  # one entry per new token, when requested
     finish_reason: str | None = None  # set on a request's last delta
+    stop_reason: int | str | None = None
     error: BaseException | None = None  # set if the request failed instead
 
 
@@ -67,7 +70,7 @@ class EngineLoop:
         self.error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
-        self._sent: dict[str, int] = {}  # tokens already delivered per request
+        self._sent: dict[str, tuple[int, int]] = {}  # (tokens, characters) already delivered per request
         self._wakeup = threading.Event()
         self._stopped = threading.Event()
         self._idle_wait_s = idle_wait_s
@@ -90,11 +93,13 @@ class EngineLoop:
     # -- callers' side (any thread) -----------------------------------------------------------------
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-               priority: int = 0, loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
+               priority: int = 0, loop: asyncio.AbstractEventLoop | None = None,
+               sample_index: int = 0) -> RequestStream:
         """Validates now (raising ValueError to the caller) and queues the request for the engine."""
         if not self.is_alive:
             raise RuntimeError("the engine loop is not running") from self.error
-        stream = RequestStream(self.engine.make_request(prompt_token_ids, params, request_id, priority), loop)
+        request = self.engine.make_request(prompt_token_ids, params, request_id, priority, sample_index)
+        stream = RequestStream(request, loop)
         self._commands.put(("add", stream))
         self._wakeup.set()
         return stream
@@ -140,7 +145,7 @@ class EngineLoop:
                     arg.put(StreamDelta([], error=e))
                     continue
                 self._streams[arg.request_id] = arg
-                self._sent[arg.request_id] = 0
+                self._sent[arg.request_id] = (0, 0)
             elif command == "abort":
                 stream = self._streams.pop(arg, None)
                 self._sent.pop(arg, None)
@@ -152,10 +157,16 @@ class EngineLoop:
         stream = self._streams.get(request.request_id)
         if stream is None:
             return
-        sent = self._sent[request.request_id]
-        new = request.output_token_ids[sent:]
-        self._sent[request.request_id] = len(request.output_token_ids)
-        if request.status.is_finished:
+        sent_tokens, sent_chars = self._sent[request.request_id]
+        finished = request.status.is_finished
+        text = request.output_text
+        hold_back = 0 if finished or request.detokenizer is None else request.detokenizer.hold_back
+        upto = max(sent_chars, len(text) - hold_back)
+        logprobs = request.logprobs[sent_tokens:] if request.sampling_params.logprobs is not None else None
+        delta = StreamDelta(request.output_token_ids[sent_tokens:], text[sent_chars:upto], logprobs,
+                            request.finish_reason, request.stop_reason)
+        self._sent[request.request_id] = (len(request.output_token_ids), upto)
+        if finished:
             self._streams.pop(request.request_id)
             self._sent.pop(request.request_id)
-        stream.put(StreamDelta(new, request.finish_reason))
+        stream.put(delta)

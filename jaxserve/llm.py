@@ -32,7 +32,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # Per token {token_id: logprob} (sampled token first, then the top alternatives), when asked for.
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclasses.dataclass
@@ -91,12 +93,17 @@ class LLM:
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         encoded = [self._encode(p) for p in prompts]
         # Validate everything before queueing anything, so a bad prompt leaves nothing behind.
-        requests = [self.engine.make_request(ids, params, priority=prio)
-                    for (_, ids), params, prio in zip(encoded, sampling_params, priority)]
+        # n > 1: n requests with their own seeds; the prefix cache shares the prompt's pages.
+        groups = []
+        for (_, ids), params, prio in zip(encoded, sampling_params, priority):
+            base = self.engine.make_request(ids, params, priority=prio)
+            groups.append([base] + [self.engine.make_request(ids, params, f"{base.request_id}-{i}", prio, i)
+                                    for i in range(1, params.n)])
+        requests = [r for group in groups for r in group]
         for request in requests:
             self.engine.add_request(request)
         self._run(requests, use_tqdm)
-        return [self._output(r, text) for r, (text, _) in zip(requests, encoded)]
+        return [self._output(group, text) for group, (text, _) in zip(groups, encoded)]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
@@ -135,7 +142,7 @@ class LLM:
         raise ValueError(f"a prompt must be a str or a dict with 'prompt' or 'prompt_token_ids', got {prompt!r:.80}")
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> None:
-        pending = {r.request_id for r in requests}
+        pending = {r.request_id for r in requests if not r.status.is_finished}
         with tqdm(total=len(requests), desc="generating", unit="req", disable=not use_tqdm) as bar:
             while pending:
                 for request in self.engine.step():
@@ -143,9 +150,11 @@ class LLM:
                         pending.discard(request.request_id)
                         bar.update(1)
 
-    def _output(self, request: Request, prompt: str | None) -> RequestOutput:
-        params = request.sampling_params
-        text = request.output_text
-        completion = CompletionOutput(0, text, list(request.output_token_ids), request.finish_reason,
-                                      request.stop_reason)
-        return RequestOutput(request.request_id, prompt, request.prompt_token_ids, [completion])
+    @staticmethod
+    def _output(group: list[Request], prompt: str | None) -> RequestOutput:
+        completions = [
+            CompletionOutput(i, r.output_text, list(r.output_token_ids), r.finish_reason, r.stop_reason,
+                             r.logprobs if r.sampling_params.logprobs is not None else None)
+            for i, r in enumerate(group)
+        ]
+        return RequestOutput(group[0].request_id, prompt, group[0].prompt_token_ids, completions)
