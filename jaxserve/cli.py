@@ -13,17 +13,21 @@ import sys
 from jaxserve.config import EngineConfig, ModelLoadError
 
 
-def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+def _add_engine_flags(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
     defaults = EngineConfig()
-    parser.add_argument("--model", default=None,
-                        help="model directory, GGUF file or jaxserve checkpoint (default: SmolLM2-135M-Instruct)")
+    help_text = "model directory, GGUF file or jaxserve checkpoint (default: SmolLM2-135M-Instruct)"
+    if positional_model:
+        parser.add_argument("model", nargs="?", default=None, help=help_text)
+    else:
+        parser.add_argument("--model", default=None, help=help_text)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--max-model-len", type=int, default=None, help="default: min(2048, the model's)")
     parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
     parser.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV page")
     parser.add_argument("--num-kv-pages", type=int, default=None, help="fixes the KV pool size")
-    parser.add_argument("--kv-cache-memory-gib", type=float, default=defaults.kv_cache_memory_bytes / 2**30)
+    parser.add_argument("--kv-cache-memory-gib", type=float, default=defaults.kv_cache_memory_bytes / 2**30,
+                        help="memory for the KV page pool (ignored with --num-kv-pages)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
 
 
@@ -110,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_flags(chat, max_tokens=256)
     chat.add_argument("--system", default=None, help="a system prompt")
     chat.set_defaults(func=cmd_chat)
+
+    from server.main import add_serve_flags, serve
+
+    srv = sub.add_parser("serve", help="serve a model behind an OpenAI-compatible HTTP API")
+    _add_engine_flags(srv, positional_model=True)
+    add_serve_flags(srv)
+    srv.set_defaults(func=serve)
 
     convert = sub.add_parser("convert", help="convert a model to a jaxserve (orbax) checkpoint")
     convert.add_argument("src", nargs="?", default=None, help="model to convert (default: SmolLM2-135M-Instruct)")

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 VOCAB_SIZE = 320  # 256 bytes + specials, rounded up; ids >= 259 are never produced by the tokenizer
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-EOS_ID = 258  # <|im_end|>
+EOS_ID = 257  # <|im_end|> (the tokenizer gives <|im_start|> 256, <|im_end|> 257, <|endoftext|> 258)
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -32,7 +32,7 @@ _COMMON = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
     eos_token_id=EOS_ID,
-    bos_token_id=257,
+    bos_token_id=256,
 )
 
 

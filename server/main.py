@@ -1,0 +1,52 @@
+"""`jaxserve serve`: load the model, compile every bucket, start the engine thread, serve HTTP.
+
+The engine loop runs in a thread beside uvicorn's event loop rather than in another process: XLA
+releases the GIL while a step runs, so request parsing and /health stay responsive, and a thread
+shares the tokenizer and needs no IPC for token deltas. Ctrl-C stops uvicorn; the shutdown hook
+stops the engine thread, which ends every open stream with an error event.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+
+
+def serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from jaxserve.cli import _engine_kwargs
+    from jaxserve.engine_loop import EngineLoop
+    from jaxserve.llm import LLM
+    from server.app import create_app
+
+    start = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, **_engine_kwargs(args))
+    engine_loop = EngineLoop(llm.engine).start()
+    name = args.served_model_name or (os.path.basename(str(args.model).rstrip("/")) if args.model
+                                      else "SmolLM2-135M-Instruct")
+    api_key = args.api_key or os.environ.get("JAXSERVE_API_KEY")
+    app = create_app(engine_loop, name, api_key=api_key, max_queued_requests=args.max_queued_requests)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        print(f"jaxserve: ready in {time.perf_counter() - start:.1f} s; serving {name!r} at "
+              f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+        yield
+        engine_loop.shutdown()
+
+    app.router.lifespan_context = lifespan
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+
+
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="the model id clients send (default: from the path)")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
+                                                         "(or set JAXSERVE_API_KEY)")
+    parser.add_argument("--max-queued-requests", type=int, default=256,
+                        help="requests waiting beyond max_num_seqs before the server answers 503")

@@ -1,0 +1,84 @@
+"""Prometheus metrics with vLLM's names under a `jaxserve:` prefix.
+
+Request-level histograms and counters are observed by the HTTP layer as tokens stream out; the
+engine's own state (running/waiting requests, KV usage, prefix cache, preemptions) is read from
+`LLMEngine.get_stats()` at scrape time, so the engine thread does no metrics work.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PREFIX = "jaxserve:"
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class _EngineCollector:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        stats = self.engine.get_stats()
+        gauges = {
+            "num_requests_running": ("Requests in the running batch", stats["num_running"]),
+            "num_requests_waiting": ("Requests waiting to be scheduled", stats["num_waiting"]),
+            "kv_cache_usage_perc": ("Fraction of KV pages held by requests (0..1)", stats["kv_cache_usage"]),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+        counters = {
+            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", stats["prefix_cache_queries"]),
+            "prefix_cache_hits": ("Prompt tokens found in the prefix cache", stats["prefix_cache_hits"]),
+            "num_preemptions": ("Requests preempted for lack of KV pages", stats["num_preemptions"]),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+
+
+class Metrics:
+    def __init__(self, engine):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        r = self.registry
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=_LATENCY_BUCKETS)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between output tokens", registry=r,
+                             buckets=_LATENCY_BUCKETS)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency, arrival to finish",
+                             registry=r, buckets=_LATENCY_BUCKETS)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens received", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated", registry=r)
+        self.request_success = Counter(PREFIX + "request_success", "Finished requests by finish reason",
+                                       ["finished_reason"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Observes one request's TTFT, inter-token latencies and end-to-end latency."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+        self.start = self.last = time.perf_counter()
+        self.num_tokens = 0
+
+    def tokens(self, count: int) -> None:
+        if count <= 0:
+            return
+        now = time.perf_counter()
+        if self.num_tokens == 0:
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            for _ in range(count):
+                self.metrics.itl.observe((now - self.last) / count)
+        self.metrics.generation_tokens.inc(count)
+        self.num_tokens += count
+        self.last = now
+
+    def finished(self, reason: str) -> None:
+        self.metrics.e2e.observe(time.perf_counter() - self.start)
+        self.metrics.request_success.labels(finished_reason=reason).inc()

@@ -1,0 +1,465 @@
+"""Loading models: GGUF files of every supported quantization, the errors a user can cause, jaxserve
+checkpoints, and the default model.
+
+GGUF files are written here the way llama.cpp's `convert_hf_to_gguf.py` writes them (its tensor
+names, metadata keys, q/k row permutation for the llama architecture, a gpt2-style byte-level BPE
+tokenizer), from tiny random models. The reference for each file is Hugging Face transformers
+loading that same file (`from_pretrained(..., gguf_file=...)`): both sides dequantize with the
+`gguf` package, so logits must agree tightly for every type, and the metadata must be good enough
+for transformers to build a config and a tokenizer from it.
+
+`gguf.quants.quantize` (gguf 0.19) cannot quantize to Q4_K, Q5_K, Q6_K (nor Q2_K, IQ4_NL, used for
+the unsupported-type errors), so those tensors are random blocks with sane fp16 super-block scales
+rather than the model's weights; the same-file comparison with transformers still holds for them.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as QType
+
+import tiny_models
+from jaxserve.config import ModelLoadError
+from jaxserve.models.transformer import forward
+from jaxserve.weights import GGUF_TYPES, LoadedModel, default_model_path, load_model, save_checkpoint
+from paged_helpers import SeqChunk, assign_pages, make_batch
+
+ATOL = 1e-4  # max |Δlogit| where both sides compute with the same float32 weights
+PAGE_SIZE = 16
+forward_jit = jax.jit(forward, static_argnames=("cfg", "q_block", "kv_block"))
+
+
+@pytest.fixture(autouse=True)
+def _private_tokenizer_cache(request, monkeypatch, tmp_path_factory):
+    """GGUF tokenizers are cached on disk by file path; keep this module's throwaway files out of the
+    user's cache (the default model keeps using it, as it does outside tests)."""
+    if "default_model" not in request.keywords:
+        monkeypatch.setenv("JAXSERVE_TOKENIZER_CACHE", str(tmp_path_factory.getbasetemp() / "tokenizer_cache"))
+
+
+def jax_logits(loaded: LoadedModel, token_ids) -> np.ndarray:
+    """Logits at every position of one prompt [len, vocab], through the paged forward pass."""
+    cfg = loaded.config
+    num_pages = -(-len(token_ids) // PAGE_SIZE) + 1
+    (pages,) = assign_pages([len(token_ids)], PAGE_SIZE, num_pages)
+    batch = make_batch([SeqChunk(token_ids, 0, pages)], page_size=PAGE_SIZE, pages_per_seq=len(pages),
+                       num_tokens=len(token_ids), num_seqs=1)
+    shape = (cfg.num_layers, num_pages, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim)
+    kv_cache = (jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
+    logits, _ = forward_jit(loaded.params, cfg, batch.token_ids, batch.positions, kv_cache, batch.md,
+                            batch.logits_indices)
+    return np.asarray(logits)
+
+
+def torch_logits(model: torch.nn.Module, token_ids) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([list(token_ids)])).logits[0].float().numpy()
+
+
+def max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
+    assert a.shape == b.shape
+    return float(np.abs(a - b).max())
+
+
+PROMPT = np.random.default_rng(0).integers(0, 259, 24).tolist()
+
+# ----------------------------------------------------------------------------------------------
+# Writing GGUF files the way llama.cpp's converter does
+
+_GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GGUF_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+# Byte offsets of each K-quant block's fp16 super-block scales, with values that give weights of
+# roughly the magnitude of the models' own (std ~0.03) from otherwise random blocks.
+_K_QUANT_SCALES = {
+    QType.Q4_K: {0: 1e-4, 2: 7.5e-4},  # d, dmin
+    QType.Q5_K: {0: 5e-5, 2: 7.75e-4},  # d, dmin
+    QType.Q6_K: {208: 3e-5},  # d
+}
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    base, kind = hf_name.rsplit(".", 1)
+    if base in _GGUF_GLOBAL_NAMES:
+        return f"{_GGUF_GLOBAL_NAMES[base]}.{kind}"
+    _, _, layer, rest = base.split(".", 3)  # model.layers.{i}.{rest}
+    return f"blk.{layer}.{_GGUF_LAYER_NAMES[rest]}.{kind}"
+
+
+def llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """convert_hf_to_gguf's `permute`: llama.cpp's rope pairs adjacent rows, HF's pairs halves."""
+    rows = weights.shape[0]
+    return (weights.reshape(num_heads, 2, rows // num_heads // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+def random_blocks(shape: tuple[int, int], qtype: QType, rng: np.random.Generator) -> np.ndarray:
+    """Random quantized blocks of a type `gguf.quants` cannot quantize to, for a [rows, cols] tensor."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = shape
+    blocks = rng.integers(0, 256, (rows, cols // block_size, type_size), dtype=np.uint8)
+    for offset, scale in _K_QUANT_SCALES.get(qtype, {}).items():
+        scales = (scale * rng.uniform(0.5, 1.5, blocks.shape[:2])).astype(np.float16)
+        blocks[..., offset:offset + 2] = scales[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def add_quantized_tensor(writer: gguf.GGUFWriter, name: str, array: np.ndarray, qtype: QType, rng):
+    if array.ndim == 1 or qtype == QType.F32:  # llama.cpp keeps norms and biases in F32
+        writer.add_tensor(name, array.astype(np.float32))
+    elif qtype == QType.F16:
+        writer.add_tensor(name, array.astype(np.float16))
+    else:
+        try:
+            data = gguf.quants.quantize(array, qtype)
+        except NotImplementedError:
+            data = random_blocks(array.shape, qtype, rng)
+        writer.add_tensor(name, data, raw_dtype=qtype)
+
+
+def add_byte_tokenizer(writer: gguf.GGUFWriter, vocab_size: int):
+    """tiny_models' byte tokenizer as llama.cpp stores a gpt2-style BPE vocabulary."""
+    tok = tiny_models.byte_tokenizer()
+    tokens = tok.convert_ids_to_tokens(list(range(len(tok))))
+    types = [gguf.TokenType.NORMAL] * 256 + [gguf.TokenType.CONTROL] * (len(tok) - 256)
+    # llama.cpp refuses a BPE vocabulary without merges: merge bytes 0x00 0x01, which no test text has.
+    tokens.append("Āā")
+    types.append(gguf.TokenType.NORMAL)
+    while len(tokens) < vocab_size:
+        tokens.append(f"[PAD{len(tokens)}]")
+        types.append(gguf.TokenType.UNUSED)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(["Ā ā"])
+    writer.add_bos_token_id(tok.bos_token_id)
+    writer.add_eos_token_id(tok.eos_token_id)
+    writer.add_pad_token_id(tok.pad_token_id)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(tiny_models.CHATML)
+
+
+def hf_head_dim(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def write_gguf(path, model: torch.nn.Module, arch: str, qtype: QType = QType.F32, *, tokenizer: bool = True):
+    """Writes `model` (a transformers llama/qwen2/qwen3) as llama.cpp would, tensors in `qtype`."""
+    cfg = model.config
+    head_dim = hf_head_dim(cfg)
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name(f"tiny {arch}")  # transformers reads a llama file named "...mistral..." as mistral
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    if tokenizer:
+        add_byte_tokenizer(writer, cfg.vocab_size)
+    rng = np.random.default_rng(0)
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        array = tensor.detach().float().numpy()
+        if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
+            array = llama_cpp_permute(array, heads)
+        add_quantized_tensor(writer, gguf_tensor_name(hf_name), array, qtype, rng)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def make_llama_256(seed: int = 0) -> torch.nn.Module:
+    """A tiny llama whose rows (hidden and intermediate 256) fit K-quant super-blocks of 256."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=tiny_models.VOCAB_SIZE, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def llama_256():
+    return make_llama_256()
+
+
+@pytest.fixture(scope="module")
+def llama_gguf_files(tmp_path_factory, llama_256):
+    """qtype name -> path of the llama_256 GGUF in that type, each in its own directory."""
+    return {name: write_gguf(tmp_path_factory.mktemp(f"gguf_{name}") / f"tiny-{name}.gguf", llama_256, "llama",
+                             QType[name])
+            for name in GGUF_TYPES}
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_dirs(tmp_path_factory):
+    """family -> (Hugging Face directory, torch model), built once."""
+    dirs = {}
+
+    def get(family: str):
+        if family not in dirs:
+            directory = tmp_path_factory.mktemp(f"hf_{family}")
+            dirs[family] = directory, tiny_models.make_tiny_model(family, directory)
+        return dirs[family]
+
+    return get
+
+
+# ----------------------------------------------------------------------------------------------
+# GGUF parity
+
+
+@pytest.mark.parametrize("qtype", GGUF_TYPES)
+def test_gguf_logits_match_transformers_loading_the_same_file(llama_gguf_files, qtype):
+    """Every supported tensor type dequantizes, un-permutes q/k and maps names like transformers'
+    GGUF loader: guards each type's reshape (K-quant super-blocks included) and the llama rope
+    row order."""
+    path = llama_gguf_files[qtype]
+    loaded = load_model(path)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                  dtype=torch.float32).eval()
+    expected = torch_logits(reference, PROMPT)
+    assert np.abs(expected).max() > 0.1  # not a degenerate model that any loader would match
+    assert max_abs_diff(jax_logits(loaded, PROMPT), expected) <= ATOL
+
+
+# What each lossy type keeps of the float32 model's logits on llama_256: (minimum correlation,
+# minimum share of positions where the greedy token agrees). Measured: F16 1.0 / 100%, BF16 0.99999
+# / 100%, Q8_0 0.9999 / 100%, Q4_0 0.974 / 62%, Q4_1 0.978 / 88% (random weights give flat logits,
+# so 4-bit noise flips many greedy tokens). A misread scale or block gives correlation near 0.
+QUANTIZATION_BUDGET = {"F16": (0.99999, 1.0), "BF16": (0.9999, 0.95), "Q8_0": (0.999, 0.9),
+                       "Q4_0": (0.95, 0.4), "Q4_1": (0.95, 0.4)}
+
+
+def test_f32_gguf_matches_the_original_model_exactly(llama_gguf_files, llama_256):
+    """A float32 GGUF gives back the model's own weights: guards the llama q/k un-permutation against
+    the original model itself, not against transformers' GGUF loader, which could share a mistake."""
+    loaded = load_model(llama_gguf_files["F32"])
+    assert max_abs_diff(jax_logits(loaded, PROMPT), torch_logits(llama_256, PROMPT)) <= ATOL
+
+
+@pytest.mark.parametrize("qtype", QUANTIZATION_BUDGET)
+def test_quantized_gguf_stays_close_to_the_original_model(llama_gguf_files, llama_256, qtype):
+    """The weights that come back are the model's own up to quantization noise: guards scales or
+    blocks read from the wrong place, which a same-file comparison with transformers would share."""
+    loaded = load_model(llama_gguf_files[qtype])
+    expected = torch_logits(llama_256, PROMPT)
+    actual = jax_logits(loaded, PROMPT)
+    min_correlation, min_agreement = QUANTIZATION_BUDGET[qtype]
+    assert np.corrcoef(actual.ravel(), expected.ravel())[0, 1] >= min_correlation
+    assert np.mean(actual.argmax(-1) == expected.argmax(-1)) >= min_agreement
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_f32_gguf_of_each_family_matches_the_original_model(tmp_path, tiny_hf_dirs, family):
+    """A float32 GGUF of each GGUF family gives the original model's logits: guards the llama q/k
+    un-permutation (against HF itself, not HF's GGUF loader), qwen2's biases, qwen3's q/k norms and
+    its head_dim (from `attention.key_length`, which is not hidden_size / num_heads here)."""
+    _, model = tiny_hf_dirs(family)
+    loaded = load_model(write_gguf(tmp_path / f"tiny-{family}.gguf", model, family))
+    assert loaded.config.head_dim == hf_head_dim(model.config)
+    assert max_abs_diff(jax_logits(loaded, PROMPT), torch_logits(model, PROMPT)) <= ATOL
+
+
+def test_gguf_metadata_gives_the_models_config_and_tokenizer(llama_gguf_files, llama_256):
+    """llama.cpp metadata keys become the right config (layers, heads, tied embeddings, eos/bos),
+    and the gpt2-style vocabulary becomes a tokenizer that encodes like the original byte tokenizer."""
+    loaded = load_model(llama_gguf_files["F32"])
+    cfg, hf = loaded.config, llama_256.config
+    byte_tokenizer = tiny_models.byte_tokenizer()
+    assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == ("llama", 2, 256, 256)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (4, 2, 64, tiny_models.VOCAB_SIZE)
+    assert cfg.tie_word_embeddings is False and "lm_head" in loaded.params
+    assert cfg.rope.theta == 10000.0 and cfg.rms_norm_eps == pytest.approx(hf.rms_norm_eps)
+    assert cfg.eos_token_ids == (byte_tokenizer.eos_token_id,) and cfg.bos_token_id == byte_tokenizer.bos_token_id
+    text = "Hello, wörld! 你好<|im_end|>"
+    assert loaded.tokenizer.encode(text) == byte_tokenizer.encode(text)
+    messages = [{"role": "user", "content": "hi"}]
+    assert (loaded.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            == byte_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors a user can cause: each is a ModelLoadError that names the problem
+
+
+def test_nonexistent_path_is_a_load_error(tmp_path):
+    """A typo in the model path says so instead of a FileNotFoundError from deep inside."""
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(tmp_path / "no-such-model")
+
+
+def test_directory_without_config_is_a_load_error(tmp_path):
+    """A directory that is not a Hugging Face model (no config.json, no GGUF) is named as such."""
+    (tmp_path / "README.md").write_text("not a model")
+    with pytest.raises(ModelLoadError, match="has no config.json"):
+        load_model(tmp_path)
+
+
+def test_non_gguf_file_is_a_load_error(tmp_path):
+    """Passing a single file that is not a GGUF (e.g. model.safetensors itself) is named as such."""
+    path = tmp_path / "model.bin"
+    path.write_bytes(b"\0" * 16)
+    with pytest.raises(ModelLoadError, match="not a .gguf file"):
+        load_model(path)
+
+
+def test_unsupported_architecture_is_a_load_error(tmp_path):
+    """A model family jaxserve has no forward pass for (GPT-2) is refused, naming it."""
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, architectures=["GPT2LMHeadModel"])
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match=r"unsupported architecture.*GPT2LMHeadModel"):
+        load_model(tmp_path)
+
+
+def test_truncated_safetensors_is_a_load_error(tmp_path, tiny_hf_dirs):
+    """A half-downloaded model.safetensors is reported as truncated, not as a safetensors panic."""
+    source, _ = tiny_hf_dirs("llama")
+    shutil.copytree(source, tmp_path / "model")
+    weights = tmp_path / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors.*truncated or corrupt"):
+        load_model(tmp_path / "model")
+
+
+def test_missing_tokenizer_is_a_load_error(tmp_path, tiny_hf_dirs):
+    """A model directory without tokenizer files fails at load time, not at the first request."""
+    source, _ = tiny_hf_dirs("llama")
+    shutil.copytree(source, tmp_path / "model", ignore=shutil.ignore_patterns("tokenizer*", "*.jinja"))
+    with pytest.raises(ModelLoadError, match="cannot load a tokenizer"):
+        load_model(tmp_path / "model")
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.99])
+def test_truncated_gguf_is_a_load_error(tmp_path, llama_gguf_files, fraction):
+    """A GGUF cut short (in the tensor data, or just its last bytes) is reported as truncated."""
+    data = llama_gguf_files["Q8_0"].read_bytes()
+    path = tmp_path / "truncated.gguf"
+    path.write_bytes(data[: int(len(data) * fraction)])
+    with pytest.raises(ModelLoadError, match="truncated or corrupt"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q2_K", "IQ4_NL"])
+def test_unsupported_gguf_quantization_is_a_load_error(tmp_path, llama_256, qtype):
+    """A GGUF with a tensor type jaxserve does not dequantize is refused, naming the type."""
+    path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", llama_256, "llama", QType[qtype])
+    with pytest.raises(ModelLoadError, match=f"quantization type {qtype}"):
+        load_model(path)
+
+
+def test_gguf_without_tokenizer_is_a_load_error(tmp_path, llama_256):
+    """A GGUF without tokenizer metadata fails at load time with a message naming the tokenizer."""
+    path = write_gguf(tmp_path / "no-tokenizer.gguf", llama_256, "llama", tokenizer=False)
+    with pytest.raises(ModelLoadError, match="cannot load a tokenizer"):
+        load_model(path)
+
+
+def test_unsupported_gguf_architecture_is_a_load_error(tmp_path, tiny_hf_dirs):
+    """A GGUF of an architecture jaxserve does not run (here a llama written as 'gpt2') is refused."""
+    _, model = tiny_hf_dirs("llama")
+    path = write_gguf(tmp_path / "gpt2.gguf", model, "gpt2")
+    with pytest.raises(ModelLoadError, match="GGUF architecture 'gpt2'"):
+        load_model(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# jaxserve checkpoints
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama_untied"])
+def test_checkpoint_round_trip_gives_identical_params_and_logits(tmp_path, tiny_hf_dirs, family):
+    """save_checkpoint then load_model restores the config (local rope, per-layer sliding flags,
+    eos ids), every param bit for bit, and a tokenizer that encodes the same."""
+    source, _ = tiny_hf_dirs(family)
+    original = load_model(source)
+    restored = load_model(save_checkpoint(original, tmp_path / "ckpt"))
+    assert restored.config == original.config
+    flat_original = jax.tree_util.tree_leaves_with_path(original.params)
+    flat_restored = dict(jax.tree_util.tree_leaves_with_path(restored.params))
+    assert len(flat_restored) == len(flat_original)
+    for key, value in flat_original:
+        np.testing.assert_array_equal(np.asarray(flat_restored[key]), np.asarray(value), err_msg=str(key))
+    np.testing.assert_array_equal(jax_logits(restored, PROMPT), jax_logits(original, PROMPT))
+    assert restored.tokenizer.encode("héllo<|im_end|>") == original.tokenizer.encode("héllo<|im_end|>")
+
+
+def test_checkpoint_into_non_empty_directory_is_a_load_error(tmp_path, tiny_hf_dirs):
+    """Converting into a directory that already holds files refuses rather than mixing two models."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "keep.txt").write_text("user data")
+    with pytest.raises(ModelLoadError, match="not empty"):
+        save_checkpoint(load_model(tiny_hf_dirs("llama")[0]), tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "keep.txt").read_text() == "user data"
+
+
+# ----------------------------------------------------------------------------------------------
+# The default model
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    return load_model(None)
+
+
+@pytest.mark.default_model
+def test_default_model_config(default_model):
+    """load_model(None) finds SmolLM2-135M-Instruct (Q4_1 GGUF) and reads its shape right."""
+    cfg = default_model.config
+    assert default_model.source == str(default_model_path())
+    assert (cfg.architecture, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == ("llama", 30, 9, 3)
+    assert (cfg.head_dim, cfg.hidden_size, cfg.vocab_size) == (64, 576, 49152)
+    assert cfg.tie_word_embeddings and "lm_head" not in default_model.params
+    assert cfg.eos_token_ids and default_model.tokenizer.eos_token_id in cfg.eos_token_ids
+
+
+@pytest.mark.default_model
+def test_default_model_logits_match_transformers(default_model):
+    """The real 30-layer model agrees with transformers loading the same GGUF (same dequantized
+    weights): guards the llama.cpp q/k un-permutation with 9 query and 3 kv heads, and tied embeddings."""
+    path = default_model_path()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                  dtype=torch.float32).eval()
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = default_model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    token_ids = default_model.tokenizer.encode(prompt, add_special_tokens=False)
+    expected = torch_logits(reference, token_ids)
+    assert max_abs_diff(jax_logits(default_model, token_ids), expected) <= 1e-3
