@@ -56,7 +56,8 @@ class SamplingParams:
         check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        check(self.top_k == -1 or self.top_k >= 0, f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 0),
+              f"top_k must be an integer: -1, 0 (off) or positive, got {self.top_k!r}")
         check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         check(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         check(-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
@@ -78,6 +79,7 @@ class SamplingParams:
         bias = self.logit_bias or {}
         check(len(bias) <= MAX_LOGIT_BIAS, f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(bias)}")
         self.logit_bias = {int(k): float(v) for k, v in bias.items()} or None
+        check(all(v == v for v in (self.logit_bias or {}).values()), "logit_bias values must not be NaN")
         if self.top_k == -1:
             self.top_k = 0
 
@@ -130,29 +132,34 @@ def apply_penalties(logits, t: SamplingTensors):
     return logits - t.frequency_penalty[:, None] * counts - t.presence_penalty[:, None] * (counts > 0)
 
 
-def _truncation_threshold(scaled, probs, top_k, top_p):
-    """Per row, the largest logit threshold that keeps >= top_k tokens and >= top_p of the mass.
-
-    A bisection over logit values instead of a full-vocabulary sort (which is ~100x slower on CPU).
-    Rows with top_k = 0 and top_p = 1 get -inf (keep all).
-    """
-    k = jnp.where(top_k > 0, top_k, scaled.shape[-1]).astype(jnp.float32)[:, None]
-    p = top_p[:, None]
-    lo = jnp.min(scaled, axis=-1, keepdims=True)  # criterion holds at lo: everything kept
-    hi = jnp.max(scaled, axis=-1, keepdims=True)  # the max token always kept
+def _bisect(lo, hi, holds):
+    """Largest x in [lo, hi] (per row, to float precision) with holds(x), given holds(lo) and monotone."""
 
     def step(_, bounds):
         lo, hi = bounds
         mid = (lo + hi) / 2
-        kept = scaled >= mid
-        ok = (kept.sum(-1, keepdims=True) >= k) & ((probs * kept).sum(-1, keepdims=True) >= p * (1 - 1e-6))
+        ok = holds(mid)
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
     lo, hi = jax.lax.fori_loop(0, _BISECT_STEPS, step, (lo, hi))
-    # `hi` may still satisfy the criterion when it is itself a logit value; check it exactly.
-    kept_hi = scaled >= hi
-    hi_ok = (kept_hi.sum(-1, keepdims=True) >= k) & ((probs * kept_hi).sum(-1, keepdims=True) >= p * (1 - 1e-6))
-    threshold = jnp.where(hi_ok, hi, lo)
+    return jnp.where(holds(hi), hi, lo)  # `hi` itself may be a logit value that qualifies
+
+
+def _truncation_threshold(scaled, probs, top_k, top_p):
+    """Per row, the logit threshold of top-k, then top-p within the renormalized top-k set.
+
+    Bisections over logit values instead of a full-vocabulary sort (which is ~100x slower on CPU).
+    Rows with top_k = 0 and top_p = 1 get -inf (keep all).
+    """
+    finite = jnp.isfinite(scaled)
+    lo = jnp.min(jnp.where(finite, scaled, jnp.inf), axis=-1, keepdims=True)  # keeps every finite logit
+    hi = jnp.max(scaled, axis=-1, keepdims=True)  # the top token is always kept
+    k = jnp.where(top_k > 0, top_k, scaled.shape[-1])[:, None]
+    top_k_threshold = _bisect(lo, hi, lambda x: (scaled >= x).sum(-1, keepdims=True) >= k)
+    top_k_mass = (probs * (scaled >= top_k_threshold)).sum(-1, keepdims=True)
+    target = top_p[:, None] * top_k_mass * (1 - 1e-6)
+    top_p_threshold = _bisect(lo, hi, lambda x: (probs * (scaled >= x)).sum(-1, keepdims=True) >= target)
+    threshold = jnp.maximum(top_k_threshold, top_p_threshold)
     off = ((top_k <= 0) & (top_p >= 1.0))[:, None]
     return jnp.where(off, -jnp.inf, threshold)
 
@@ -172,6 +179,7 @@ def sample(logits, t: SamplingTensors) -> SamplerOutput:
     scaled = processed / jnp.maximum(t.temperature, 1e-6)[:, None]
     probs = jax.nn.softmax(scaled, axis=-1)
     keep = probs >= t.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+    probs = jnp.where(keep, probs, 0.0)  # top-p counts mass after min-p, as vLLM does
     threshold = jax.lax.cond(
         jnp.any((t.top_k > 0) | (t.top_p < 1.0)),
         _truncation_threshold, lambda s, p, k, tp: jnp.full((num_seqs, 1), -jnp.inf),
