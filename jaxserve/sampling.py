@@ -164,6 +164,12 @@ def _truncation_threshold(scaled, probs, top_k, top_p):
     return jnp.where(off, -jnp.inf, threshold)
 
 
+def _argmax(x):
+    """First index of the row maximum; XLA:CPU's argmax is 2-3x slower than max + masked min."""
+    ids = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(x == jnp.max(x, axis=-1, keepdims=True), ids, x.shape[-1]), axis=-1)
+
+
 def sample(logits, t: SamplingTensors) -> SamplerOutput:
     """Samples one token per row from logits [S, vocab] f32."""
     num_seqs, vocab = logits.shape
@@ -174,7 +180,7 @@ def sample(logits, t: SamplingTensors) -> SamplerOutput:
     )
     rows = jnp.arange(num_seqs)[:, None]
     processed = processed.at[rows, t.bias_ids].add(t.bias_values, mode="drop")
-    greedy = jnp.argmax(processed, axis=-1)
+    greedy = _argmax(processed)
 
     scaled = processed / jnp.maximum(t.temperature, 1e-6)[:, None]
     probs = jax.nn.softmax(scaled, axis=-1)
@@ -195,7 +201,7 @@ def sample(logits, t: SamplingTensors) -> SamplerOutput:
         lambda: jax.vmap(gumbel)(t.seeds, t.positions),
         lambda: jnp.zeros((num_seqs, vocab), jnp.float32),
     )
-    sampled = jnp.argmax(jnp.where(keep, scaled + noise, -jnp.inf), axis=-1)
+    sampled = _argmax(jnp.where(keep, scaled + noise, -jnp.inf))
     tokens = jnp.where(t.temperature > 0, sampled, greedy).astype(jnp.int32)
 
     token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]

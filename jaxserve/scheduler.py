@@ -61,6 +61,9 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
+        # Higher priority first (stable, so equal priorities keep admission order): the victims
+        # taken from the tail are then the lowest-priority, most recently admitted requests.
+        self.running.sort(key=lambda r: r.priority)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -97,12 +100,14 @@ class Scheduler:
         """Takes cached prefix pages and new pages for the first chunk; False (no change) if out of pages."""
         request.page_hashes = self.pool.page_hashes_of(request.all_token_ids, request.page_hashes)
         max_cached_pages = (request.num_tokens - 1) // self.pool.page_size  # leave >= 1 token to compute
+        counters = self.pool.num_queried_tokens, self.pool.num_hit_tokens
         cached = self.pool.lookup(request.page_hashes, max_cached_pages)
         request.block_table, request.num_computed_tokens = cached, len(cached) * self.pool.page_size
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
         if not self.pool.grow(request.block_table, request.num_computed_tokens + num_new):
             self.pool.free(request.block_table)
             request.num_computed_tokens = 0
+            self.pool.num_queried_tokens, self.pool.num_hit_tokens = counters  # it will ask again
             return False
         if request.status is RequestStatus.WAITING:  # first admission: count the prompt's cache use
             num_prompt = len(request.prompt_token_ids)

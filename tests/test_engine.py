@@ -13,14 +13,19 @@ from jaxserve.model_runner import decode_buckets, prefill_buckets
 from jaxserve.page_pool import PagePool
 from jaxserve.request import Request, RequestStatus
 from jaxserve.scheduler import Scheduler
+from tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, block_size=8, num_kv_pages=80)
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model_dir):
-    return LLM(tiny_model_dir("llama"), **ENGINE)
+def llm(tmp_path_factory):
+    # Larger attention/embedding weights than the default init, whose greedy output mostly repeats
+    # the last token whatever the context, which would hide batching bugs.
+    directory = tmp_path_factory.mktemp("context_sensitive_llama")
+    make_tiny_model("llama", directory, attention_std=0.3, embedding_std=1.0)
+    return LLM(directory, **ENGINE)
 
 
 def _prompts(n: int, seed: int = 0) -> list[dict]:

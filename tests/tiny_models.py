@@ -74,8 +74,15 @@ def byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
     return fast
 
 
-def make_tiny_model(family: str, directory: Path, seed: int = 0):
-    """Saves a random `family` model with a byte tokenizer to `directory`; returns the torch model."""
+def make_tiny_model(family: str, directory: Path, seed: int = 0, *, attention_std: float | None = None,
+                    embedding_std: float | None = None):
+    """Saves a random `family` model with a byte tokenizer to `directory`; returns the torch model.
+
+    With the default init (std 0.02, tied embeddings) greedy decoding mostly repeats the last token,
+    whatever the context. Tests that compare token streams across schedules (chunking, caching,
+    preemption) pass `attention_std`/`embedding_std` (e.g. 0.3 / 1.0) to redraw the q/k/v/o
+    projections and the embeddings, so every token depends on the whole context and its positions.
+    """
     torch.manual_seed(seed)
     config = hf_config(family)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -85,6 +92,11 @@ def make_tiny_model(family: str, directory: Path, seed: int = 0):
                 param.normal_(0.0, 0.5 if family != "gemma3" else 0.2)
                 if "norm" in name and family != "gemma3":
                     param.add_(1.0)
+            elif attention_std is not None and name.endswith(("q_proj.weight", "k_proj.weight",
+                                                              "v_proj.weight", "o_proj.weight")):
+                param.normal_(0.0, attention_std)
+            elif embedding_std is not None and "embed_tokens" in name:
+                param.normal_(0.0, embedding_std)
     model.save_pretrained(directory)
     byte_tokenizer().save_pretrained(directory)
     return model
