@@ -45,6 +45,22 @@ def error_response(status: int, message: str, param: str | None = None, headers:
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
+class _APIKeyMiddleware:
+    """Requires `Authorization: Bearer KEY` on /v1/*. Plain ASGI, not BaseHTTPMiddleware, which would
+    hide client disconnects from the handlers (and so keep abandoned requests running)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            if dict(scope["headers"]).get(b"authorization", b"") != self.expected:
+                response = error_response(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class ServerState:
     def __init__(self, engine_loop: EngineLoop, served_model_name: str, max_queued_requests: int):
         self.engine_loop = engine_loop
@@ -85,12 +101,8 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, *, api_key: str 
     async def _http_error(_: Request, e: StarletteHTTPException):
         return error_response(e.status_code, str(e.detail))
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return error_response(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
 
     @app.get("/health")
     async def health():
@@ -290,6 +302,9 @@ class Submission(list):
 def _submit(state: ServerState, prompts: list[list[int]], params: SamplingParams,
             body: SamplingFields) -> Submission:
     count = len(prompts) * params.n
+    if count > state.capacity:
+        raise APIError(400, f"the request asks for {count} sequences (prompts x n), more than this server "
+                            f"holds at once ({state.capacity})", "n")
     if state.num_in_flight + count > state.capacity:
         raise APIError(503, f"the server is at capacity ({state.capacity} requests in flight); retry shortly",
                        headers={"Retry-After": "1"})
