@@ -1,4 +1,4 @@
-"""The `jaxserve` command: generate, chat, convert (the server and benchmarks add their own).
+"""The `jaxserve` command: generate, chat, convert, check-lowering (the server and benchmarks add their own).
 
 Engine flags use vLLM's names (`--max-model-len`, `--max-num-seqs`, ...); each maps onto a field of
 `EngineConfig`. Bad input ends with a one-line error and exit code 2, never a traceback.
@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from jaxserve.config import EngineConfig, ModelLoadError
+from jaxserve.config import ATTENTION_BACKENDS, EngineConfig, ModelLoadError
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
@@ -29,6 +29,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser, positional_model: bool = 
     parser.add_argument("--kv-cache-memory-gib", type=float, default=defaults.kv_cache_memory_bytes / 2**30,
                         help="memory for the KV page pool (ignored with --num-kv-pages)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--attention-backend", default=defaults.attention_backend, choices=ATTENTION_BACKENDS,
+                        help="auto: Pallas kernels on a Hopper GPU when the model fits them, else XLA")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -39,6 +41,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         num_kv_pages=args.num_kv_pages,
         kv_cache_memory_bytes=int(args.kv_cache_memory_gib * 2**30),
         seed=args.seed,
+        attention_backend=args.attention_backend,
     )
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len
@@ -98,6 +101,26 @@ def cmd_convert(args: argparse.Namespace) -> None:
     print(f"wrote {dst} ({loaded.config.architecture}, {args.dtype})")
 
 
+def cmd_check_lowering(args: argparse.Namespace) -> None:
+    """Lowers every bucket's step functions for --platform; exit code 1 if any failed."""
+    import jax
+
+    from jaxserve.check_lowering import check_lowering, format_results
+    from jaxserve.weights import load_model
+
+    loaded = load_model(args.model, args.dtype)  # for its config; only the params' shapes are used
+    model_cfg = loaded.config
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), loaded.params)
+    del loaded
+    engine_kwargs = _engine_kwargs(args)
+    engine_kwargs.setdefault("max_model_len", min(2048, model_cfg.max_position_embeddings))
+    results = check_lowering(model_cfg, EngineConfig(dtype=args.dtype, **engine_kwargs), params,
+                             platform=args.platform)
+    print(format_results(results, args.platform))
+    if not all(r.ok for r in results):
+        sys.exit(1)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve", description="JAX/XLA LLM inference engine")
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
@@ -127,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("dst")
     convert.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     convert.set_defaults(func=cmd_convert)
+
+    lower = sub.add_parser("check-lowering", help="lower every bucket's step functions for a platform (no GPU needed)")
+    _add_engine_flags(lower, positional_model=True)
+    lower.add_argument("--platform", default="cuda", choices=["cuda", "cpu"], help="the platform to lower for")
+    lower.set_defaults(func=cmd_check_lowering)
     return parser
 
 

@@ -21,6 +21,8 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# See attention_backends.py: auto = Pallas kernels on a Hopper GPU when the model fits them, else XLA.
+ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas-interpret")
 
 
 class ModelLoadError(ValueError):
@@ -215,6 +217,7 @@ class EngineConfig:
     min_decode_bucket: int = 1
     prefill_query_block: int = 16  # query rows per attention tile in the ragged step
     kv_block: int = 128  # keys per attention loop iteration
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
 
     def __post_init__(self):
         def check(ok: bool, message: str):
@@ -232,6 +235,11 @@ class EngineConfig:
               f"{self.max_num_batched_tokens=} must be at least {self.max_num_seqs=}")
         check(self.num_kv_pages is None or self.num_kv_pages >= 2,
               f"{self.num_kv_pages=} must be at least 2 (page 0 is the reserved dummy page)")
+        check(self.attention_backend in ATTENTION_BACKENDS,
+              f"{self.attention_backend=} must be one of {ATTENTION_BACKENDS}")
+        check(not (self.attention_backend == "pallas-interpret" and self.forbid_compilation_after_warmup),
+              "attention_backend='pallas-interpret' compiles the GPU interpreter's helpers while it runs: "
+              "it cannot be combined with forbid_compilation_after_warmup=True")
 
     @property
     def pages_per_seq(self) -> int:

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from jaxserve import compilation  # noqa: F401  (registers the compilation counter)
 from jaxserve.attention import AttentionMetadata
+from jaxserve.attention_backends import resolve_attention_backend
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.models.transformer import forward, init_kv_cache, kv_bytes_per_token
 from jaxserve.sampling import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplerOutput, SamplingParams, SamplingTensors, sample
@@ -80,32 +81,37 @@ class StepInputs(NamedTuple):
     sampling: SamplingTensors  # [S] rows
 
 
-def _step(params, kv_cache, inputs: StepInputs, *, cfg: ModelConfig, q_block: int, kv_block: int):
+def _step(params, kv_cache, inputs: StepInputs, *, cfg: ModelConfig, q_block: int, kv_block: int,
+          attention_backend: str, decode_only: bool = False):
     logits, kv_cache = forward(
         params, cfg, inputs.token_ids, inputs.positions, kv_cache, inputs.md, inputs.logits_indices,
-        q_block=q_block, kv_block=kv_block,
+        q_block=q_block, kv_block=kv_block, attention_backend=attention_backend, decode_only=decode_only,
     )
     return sample(logits, inputs.sampling), kv_cache
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, params):
+    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, params, platform: str | None = None):
+        """platform: resolve the attention backend for "gpu"/"cpu" instead of this machine (check-lowering)."""
         self.model_cfg, self.cfg = model_cfg, engine_cfg
+        self.attention_backend = resolve_attention_backend(engine_cfg.attention_backend, model_cfg, engine_cfg,
+                                                           platform)
         self.params = params
         self.num_pages = self._num_pages()
         self.kv_cache = init_kv_cache(model_cfg, self.num_pages, engine_cfg.block_size, engine_cfg.dtype)
         self.prefill_buckets = prefill_buckets(engine_cfg)
         self.decode_buckets = decode_buckets(engine_cfg)
-        step = functools.partial(_step, cfg=model_cfg, kv_block=min(engine_cfg.kv_block, engine_cfg.max_model_len))
+        step = functools.partial(_step, cfg=model_cfg, kv_block=min(engine_cfg.kv_block, engine_cfg.max_model_len),
+                                 attention_backend=self.attention_backend)
         self._prefill = jax.jit(functools.partial(step, q_block=engine_cfg.prefill_query_block), donate_argnums=1)
-        self._decode = jax.jit(functools.partial(step, q_block=1), donate_argnums=1)
+        self._decode = jax.jit(functools.partial(step, q_block=1, decode_only=True), donate_argnums=1)
         self._executables: dict[tuple[str, int], object] = {}
         # logit_bias entries, plus EOS and stop ids suppressed before min_tokens
         self.bias_width = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + len(model_cfg.eos_token_ids)
         logger.info(
-            "KV cache: %d pages of %d tokens (%d max concurrent tokens), %.1f MiB",
+            "KV cache: %d pages of %d tokens (%d max concurrent tokens), %.1f MiB; %s attention",
             self.num_pages - 1, engine_cfg.block_size, self.max_concurrent_tokens,
-            self.kv_cache_bytes / 2**20,
+            self.kv_cache_bytes / 2**20, self.attention_backend,
         )
 
     def _num_pages(self) -> int:
@@ -161,10 +167,8 @@ class ModelRunner:
         start = time.perf_counter()
         todo = [("decode", b) for b in self.decode_buckets] + [("prefill", b) for b in self.prefill_buckets]
         todo = [key for key in todo if key not in self._executables]
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (self.params, self.kv_cache))
         for kind, bucket in tqdm(todo, desc="compiling buckets", unit="exe", disable=not show_progress):
-            fn = self._decode if kind == "decode" else self._prefill
-            self._executables[kind, bucket] = fn.lower(*shapes, self._input_shapes(kind, bucket)).compile()
+            self._executables[kind, bucket] = self.lower(kind, bucket).compile()
         summary = {
             "num_executables": len(self._executables),
             "prefill_buckets": self.prefill_buckets,
@@ -173,6 +177,13 @@ class ModelRunner:
         }
         logger.info("compiled %d executables in %.1f s", summary["num_executables"], summary["seconds"])
         return summary
+
+    def lower(self, kind: str, bucket: int, platforms: tuple[str, ...] | None = None):
+        """Lowers one bucket's step function ("prefill" or "decode") for this machine or `platforms`."""
+        fn = self._decode if kind == "decode" else self._prefill
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (self.params, self.kv_cache))
+        traced = fn.trace(*shapes, self._input_shapes(kind, bucket))
+        return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
 
     @property
     def compiled_shapes(self) -> list[tuple[str, int]]:

@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.attention import AttentionMetadata, ragged_paged_attention, write_kv
+from jaxserve.attention import AttentionMetadata, write_kv
+from jaxserve.attention_backends import paged_attention
 from jaxserve.config import ModelConfig
 
 KVCache = tuple[jax.Array, jax.Array]  # (k_pages, v_pages), see attention.py for the layout
@@ -70,8 +71,14 @@ def forward(
     *,
     q_block: int = 16,
     kv_block: int = 128,
+    attention_backend: str = "xla",
+    decode_only: bool = False,
 ):
-    """Runs the model over a ragged batch of tokens; returns (logits [S, vocab] f32, kv_cache)."""
+    """Runs the model over a ragged batch of tokens; returns (logits [S, vocab] f32, kv_cache).
+
+    attention_backend is a resolved one (see attention_backends.py); decode_only promises at most one
+    query row per sequence, which lets the Pallas backends use their decode kernel.
+    """
     num_tokens = token_ids.shape[0]
     h = params["embed"][token_ids]
     if cfg.embed_scale != 1.0:
@@ -102,13 +109,15 @@ def forward(
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         k_pages, v_pages = write_kv(k_pages, v_pages, layer_id, k, v, md.slot_mapping)
-        attn = ragged_paged_attention(
+        attn = paged_attention(
             q, k_pages, v_pages, layer_id, md,
             scale=cfg.scale,
             sliding_window=jnp.where(sliding, cfg.sliding_window, 0),
             soft_cap=cfg.attn_logit_softcap,
             q_block=q_block,
             kv_block=kv_block,
+            backend=attention_backend,
+            decode_only=decode_only,
         )
         out = attn.reshape(num_tokens, cfg.num_heads * cfg.head_dim) @ lp["wo"]
         if cfg.sandwich_norm:

@@ -1,0 +1,112 @@
+"""Which attention implementation runs, decided once at engine start, and the one call that runs it.
+
+  xla               `jaxserve.attention.ragged_paged_attention`: pure JAX, any platform, the reference.
+  pallas            `pallas_kernels` (Mosaic GPU, Hopper): the ragged kernel for the prefill entry point,
+                    the flash-decoding kernel for the decode entry point.
+  pallas-interpret  the same kernels run by JAX's GPU interpreter on the CPU: tests and debugging, slow.
+  auto              pallas on a Hopper GPU when the model's shapes fit the kernels, else xla; the reason
+                    for falling back is logged.
+
+An explicit pallas / pallas-interpret that cannot run the model is refused here, with the reason, before
+anything is compiled, so no request ever meets an unsupported shape. The model calls `paged_attention`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.attention import AttentionMetadata, ragged_paged_attention
+from jaxserve.config import ATTENTION_BACKENDS, EngineConfig, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+RESOLVED_BACKENDS = ("xla", "pallas", "pallas-interpret")
+MIN_COMPUTE_CAPABILITY = 9.0  # Mosaic GPU kernels use wgmma and TMA (Hopper and newer)
+
+
+def _kernel_support_error(model_cfg: ModelConfig, engine_cfg: EngineConfig, interpret: bool) -> str | None:
+    """Why the Pallas kernels cannot run this model and engine setting, or None if they can."""
+    from pallas_kernels import UnsupportedShapeError, check_supported
+
+    try:
+        check_supported(num_heads=model_cfg.num_heads, num_kv_heads=model_cfg.num_kv_heads,
+                        head_dim=model_cfg.head_dim, page_size=engine_cfg.block_size,
+                        dtype=jnp.dtype(engine_cfg.dtype), interpret=interpret)
+    except UnsupportedShapeError as e:
+        return str(e)
+    return None
+
+
+def _local_gpu_error() -> str | None:
+    """Why this machine's first GPU cannot run Mosaic GPU kernels, or None."""
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    if capability is not None and float(capability) < MIN_COMPUTE_CAPABILITY:
+        return f"the GPU has compute capability {capability}; the Pallas kernels need Hopper ({MIN_COMPUTE_CAPABILITY}+)"
+    return None
+
+
+def resolve_attention_backend(requested: str, model_cfg: ModelConfig, engine_cfg: EngineConfig,
+                              platform: str | None = None) -> str:
+    """Turns the engine's `attention_backend` into one of RESOLVED_BACKENDS for `platform`.
+
+    platform: "gpu" or "cpu" (JAX's names) to decide for a target machine without one (check-lowering);
+    None decides for this machine, including its GPU's compute capability. Raises ValueError when an
+    explicitly requested Pallas backend cannot run the model.
+    """
+    assert requested in ATTENTION_BACKENDS, requested
+    local = platform is None
+    platform = jax.default_backend() if local else platform
+    if requested == "xla":
+        return "xla"
+    if requested == "auto":
+        if platform != "gpu":
+            return "xla"
+        reason = _kernel_support_error(model_cfg, engine_cfg, interpret=False) or (local and _local_gpu_error())
+        if reason:
+            logger.warning("attention_backend='auto' uses XLA attention: %s", reason)
+            return "xla"
+        return "pallas"
+    interpret = requested == "pallas-interpret"
+    reason = _kernel_support_error(model_cfg, engine_cfg, interpret=interpret)
+    if not interpret and not reason:
+        if platform != "gpu":
+            reason = f"it needs a GPU (this is {platform}); use 'pallas-interpret' to run the kernels on CPU"
+        elif local:
+            reason = _local_gpu_error()
+    if reason:
+        raise ValueError(f"attention_backend={requested!r} cannot run this model: {reason}")
+    return requested
+
+
+def paged_attention(
+    q,  # [T, num_heads, head_dim]
+    k_pages,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    v_pages,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    layer,  # int32 scalar
+    md: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window=0,  # int32 scalar, 0 = none
+    soft_cap: float = 0.0,
+    q_block: int = 16,
+    kv_block: int = 128,
+    backend: str = "xla",
+    decode_only: bool = False,
+):
+    """Attention over the paged KV cache with the resolved `backend`; returns [T, H, D].
+
+    decode_only: every sequence has at most one query row (the engine's decode entry point); the
+    Pallas backends then use the flash-decoding kernel. q_block / kv_block tune the XLA path only.
+    """
+    assert backend in RESOLVED_BACKENDS, f"resolve {backend=} first"
+    if backend == "xla":
+        return ragged_paged_attention(q, k_pages, v_pages, layer, md, scale=scale, sliding_window=sliding_window,
+                                      soft_cap=soft_cap, q_block=q_block, kv_block=kv_block)
+    from pallas_kernels import decode_attention, ragged_paged_attention as pallas_ragged
+
+    kernel = decode_attention if decode_only else pallas_ragged
+    return kernel(q, k_pages, v_pages, layer, md.cu_q_lens, md.kv_lens, md.block_tables, scale=scale,
+                  sliding_window=sliding_window, soft_cap=soft_cap, interpret=backend == "pallas-interpret")

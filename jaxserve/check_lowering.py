@@ -1,0 +1,104 @@
+"""`jaxserve check-lowering`: lowers every bucket's prefill and decode step for a target platform.
+
+Lowering needs no GPU: each bucket's whole step function (forward pass, attention kernels, sampler)
+is traced with ShapeDtypeStructs and lowered with `lowering_platforms=(platform,)`, which for Pallas
+Mosaic GPU kernels runs their compiler down to NVVM. What this cannot check is PTX assembly, loading
+and running, which happen only on a GPU. Params are shapes only: no weights are needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.model_runner import ModelRunner
+
+PLATFORMS = {"cuda": "gpu", "cpu": "cpu"}  # lowering platform -> JAX backend name
+
+
+@dataclasses.dataclass
+class LoweringResult:
+    kind: str  # "prefill" or "decode"
+    bucket: int
+    attention_backend: str
+    ok: bool
+    seconds: float
+    custom_calls: dict[str, int] = dataclasses.field(default_factory=dict)
+    kernels: list = dataclasses.field(default_factory=list)  # pallas_kernels.lowering.LoweredKernel
+    error: str = ""
+
+
+def param_shapes(cfg: ModelConfig, dtype) -> dict:
+    """The params pytree of `models/transformer.py` as ShapeDtypeStructs (what weights.py would load)."""
+    sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))  # noqa: E731
+    num_layers, hidden, q_dim = cfg.num_layers, cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    kv_dim, inter = cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    layers = dict(attn_norm=sds(num_layers, hidden), mlp_norm=sds(num_layers, hidden),
+                  wq=sds(num_layers, hidden, q_dim), wk=sds(num_layers, hidden, kv_dim),
+                  wv=sds(num_layers, hidden, kv_dim), wo=sds(num_layers, q_dim, hidden),
+                  w_gate=sds(num_layers, hidden, inter), w_up=sds(num_layers, hidden, inter),
+                  w_down=sds(num_layers, inter, hidden))
+    if cfg.attention_bias:
+        layers |= dict(bq=sds(num_layers, q_dim), bk=sds(num_layers, kv_dim), bv=sds(num_layers, kv_dim))
+    if cfg.qk_norm:
+        layers |= dict(q_norm=sds(num_layers, cfg.head_dim), k_norm=sds(num_layers, cfg.head_dim))
+    if cfg.sandwich_norm:
+        layers |= dict(post_attn_norm=sds(num_layers, hidden), post_mlp_norm=sds(num_layers, hidden))
+    params = dict(embed=sds(cfg.vocab_size, hidden), final_norm=sds(hidden), layers=layers)
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = sds(hidden, cfg.vocab_size)
+    return params
+
+
+def check_lowering(model_cfg: ModelConfig, engine_cfg: EngineConfig, params=None,
+                   platform: str = "cuda") -> list[LoweringResult]:
+    """Lowers every bucket of both entry points for `platform`; one result per bucket, failures included.
+
+    Raises ValueError (before lowering anything) if an explicit Pallas backend cannot run the model.
+    """
+    from pallas_kernels.lowering import custom_call_targets, mosaic_kernels
+
+    if platform not in PLATFORMS:
+        raise ValueError(f"{platform=} is not one of {sorted(PLATFORMS)}")
+    params = param_shapes(model_cfg, engine_cfg.dtype) if params is None else params
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    runner = ModelRunner(model_cfg, engine_cfg, params, platform=PLATFORMS[platform])
+    results = []
+    for kind, buckets in (("prefill", runner.prefill_buckets), ("decode", runner.decode_buckets)):
+        for bucket in buckets:
+            start = time.perf_counter()
+            result = LoweringResult(kind, bucket, runner.attention_backend, ok=False, seconds=0.0)
+            try:
+                lowered = runner.lower(kind, bucket, platforms=(platform,))
+                result.custom_calls = dict(custom_call_targets(lowered))
+                result.kernels = mosaic_kernels(lowered)
+                result.ok = True
+            except Exception as e:  # report every bucket, whatever breaks
+                result.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            result.seconds = time.perf_counter() - start
+            results.append(result)
+    return results
+
+
+def format_results(results: list[LoweringResult], platform: str) -> str:
+    """A table: one row per bucket, what lowered with which attention backend, or why it failed."""
+    rows = [("entry", "bucket", "attention", "lowered", "seconds", f"custom calls / kernels on {platform}")]
+    for r in results:
+        if r.ok:
+            kernels = "; ".join(f"{k.name} ({'wgmma' if k.uses_wgmma else 'no wgmma'}, "
+                                f"{'TMA' if k.uses_tma else 'no TMA'})" for k in r.kernels)
+            calls = ", ".join(f"{name} x{n}" for name, n in sorted(r.custom_calls.items())) or "none"
+            detail = calls + (f": {kernels}" if kernels else "")
+        else:
+            detail = r.error
+        rows.append((r.kind, str(r.bucket), r.attention_backend, "ok" if r.ok else "FAILED", f"{r.seconds:.1f}",
+                     detail))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths)) + "  " + row[5] for row in rows]
+    num_failed = sum(not r.ok for r in results)
+    lines.append(f"{len(results) - num_failed} of {len(results)} step functions lowered for {platform}")
+    return "\n".join(lines)

@@ -1,0 +1,198 @@
+"""What the Mosaic GPU (Hopper) paged-attention kernels share: shape rules, block sizes, and the
+in-kernel loop over KV blocks (TMA page copies -> QK^T -> online softmax -> PV on the tensor cores).
+
+One program owns a tile of `ROWS` = 64 query rows (one wgmma M block) against one KV head. Rows are
+(token, query head of the GQA group) pairs, token-major, so a tile holds 64 // group tokens. K/V are
+read page by page with TMA (`copy_gmem_to_smem`) straight from the layer's pages,
+`[num_layers, num_pages, page_size, num_kv_heads, head_dim]`, into a ring of `num_stages` SMEM
+blocks of `block_kv` keys, so the next block's copies are in flight while this one is computed.
+
+Interpret mode (JAX's GPU interpreter, see `_interpret.py`) runs the same kernel body with two
+substitutions the 0.10.2 interpreter needs: register-layout casts are dropped (they carry no math),
+and QK^T is a jnp dot over the same SMEM tiles, because the interpreter cannot read a wgmma operand
+through `transpose_ref`. Everything else -- TMA copies, barriers, masks, softmax, the PV wgmma --
+is the code that lowers for CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+ROWS = 64  # query rows per program: Hopper's wgmma M
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SMEM_BYTES = 232448 - 4096  # H100/H200 per-block shared memory, less room for barriers
+NEG_INF = -1e30  # finite: a fully masked row gives zeros, never NaN
+LOG2E = math.log2(math.e)
+_SWIZZLE = 128  # bytes; every operand row here is >= 128 bytes (head_dim >= 64, bf16)
+
+
+class UnsupportedShapeError(ValueError):
+    """A model or engine shape the Pallas kernels cannot take, with the reason."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Static block sizes of one kernel instance."""
+
+    block_kv: int  # keys per loop step (whole pages), the wgmma N of QK^T and K of PV
+    num_stages: int  # SMEM ring depth for K/V blocks
+
+
+def smem_bytes(cfg: KernelConfig, head_dim: int, itemsize: int, decode: bool) -> int:
+    q = ROWS * head_dim * itemsize
+    kv = 2 * cfg.num_stages * cfg.block_kv * head_dim * itemsize + ROWS * cfg.block_kv * itemsize  # K, V, P
+    out = ROWS * head_dim * 4 + ROWS * 4 if decode else 0  # f32 partial output and lse, after the loop
+    return q + max(kv, out)
+
+
+def check_supported(*, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype,
+                    interpret: bool) -> None:
+    """Raises UnsupportedShapeError naming the first shape the kernels cannot take."""
+    dtype = jnp.dtype(dtype)
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise UnsupportedShapeError(f"{head_dim=} is not supported by the Pallas kernels (one of {SUPPORTED_HEAD_DIMS})")
+    group = num_heads // num_kv_heads
+    if num_heads % num_kv_heads or group > ROWS:
+        raise UnsupportedShapeError(f"{num_heads=} per {num_kv_heads=} must be a whole group of at most {ROWS}")
+    if page_size % 8 or page_size & (page_size - 1):
+        raise UnsupportedShapeError(f"{page_size=} must be a power of two and a multiple of 8 (TMA tile rows)")
+    if dtype == jnp.float32 and not interpret:
+        raise UnsupportedShapeError(
+            "float32 KV pages are not supported on GPU: Hopper's tf32 wgmma cannot read V in its page layout; "
+            "use dtype='bfloat16' (float32 runs only in interpret mode)")
+    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise UnsupportedShapeError(f"KV dtype {dtype} is not supported (bfloat16, or float32 in interpret mode)")
+    for decode in (False, True):
+        choose_config(head_dim, page_size, decode)
+
+
+def choose_config(head_dim: int, page_size: int, decode: bool) -> KernelConfig:
+    """A two-stage ring of the largest KV block that fits in shared memory, else a one-stage ring.
+
+    Sized for 2-byte K/V, the GPU's dtype; float32 in interpret mode runs the same blocks.
+    """
+    for num_stages in (2, 1):
+        for block_kv in (128, 64, 256):
+            if block_kv < page_size or block_kv % page_size:
+                continue
+            cfg = KernelConfig(block_kv, num_stages)
+            if smem_bytes(cfg, head_dim, 2, decode) <= SMEM_BYTES:
+                return cfg
+    raise UnsupportedShapeError(f"no KV block of whole {page_size=} pages fits in shared memory for {head_dim=}")
+
+
+def tile_transforms(dtype):
+    """SMEM layout the wgmma operands need: (8 x 128-byte) tiles, 128-byte swizzle."""
+    return (plgpu.TilingTransform((8, _SWIZZLE // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
+
+
+def kv_scratch(cfg: KernelConfig, head_dim: int, page_size: int, dtype):
+    """SMEM and barriers for the KV loop: K ring, V ring, P tile, one barrier per ring slot each."""
+    t = tile_transforms(dtype)
+    pages_per_block = cfg.block_kv // page_size
+    return (
+        plgpu.SMEM((cfg.num_stages, cfg.block_kv, head_dim), dtype, transforms=t),  # K
+        plgpu.SMEM((cfg.num_stages, cfg.block_kv, head_dim), dtype, transforms=t),  # V
+        plgpu.SMEM((ROWS, cfg.block_kv), dtype, transforms=t),  # P
+        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=cfg.num_stages),
+        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=cfg.num_stages),
+    )
+
+
+def max_copies_in_flight(cfg: KernelConfig, page_size: int) -> int:
+    return 2 * cfg.num_stages * (cfg.block_kv // page_size) + 1  # K and V pages, plus Q
+
+
+def layout(x, interpret):
+    """Pins a register array to the wgmma layout (a no-op the interpreter cannot evaluate)."""
+    return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+
+
+def row_layout(x, interpret):
+    return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1))
+
+
+def kv_loop(q_smem, k_ref, v_ref, scratch, *, layer, kv_head, page_of, first_block, num_blocks, mask_of,
+            cfg: KernelConfig, page_size: int, scale: float, soft_cap: float, interpret):
+    """Online softmax of the Q tile in `q_smem` [ROWS, D] over KV blocks first_block + [0, num_blocks).
+
+    page_of(block, i): page id of the block's i-th page. mask_of(key_pos [ROWS, block_kv]): which
+    (row, key) pairs attend. Returns (acc: tuple of [ROWS, <=128] f32 column chunks, m, l), with m
+    and the exponentials in base 2.
+    """
+    k_smem, v_smem, p_smem, k_bar, v_bar = scratch
+    head_dim, dtype = q_smem.shape[1], q_smem.dtype
+    bk, stages = cfg.block_kv, cfg.num_stages
+    pages_per_block = bk // page_size
+    chunk = min(head_dim, 128)  # PV in column chunks: fresh accumulators keep register use bounded
+
+    def issue(block, slot):
+        for i in range(pages_per_block):
+            page = page_of(first_block + block, i)
+            rows = pl.ds(i * page_size, page_size)
+            plgpu.copy_gmem_to_smem(k_ref.at[layer, page, :, kv_head, :], k_smem.at[slot, rows], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[layer, page, :, kv_head, :], v_smem.at[slot, rows], v_bar.at[slot])
+
+    for s in range(stages - 1):
+        pl.when(s < num_blocks)(lambda s=s: issue(s, s))
+
+    col = layout(lax.broadcasted_iota(jnp.int32, (ROWS, bk), 1), interpret)
+
+    def body(j, carry):
+        acc, m, l = carry
+        ahead = j + stages - 1
+        pl.when(ahead < num_blocks)(lambda: issue(ahead, lax.rem(ahead, stages)))
+        slot = lax.rem(j, stages)
+        plgpu.barrier_wait(k_bar.at[slot])
+        if interpret:
+            s = lax.dot_general(q_smem[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+        else:
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                return acc_ref[...]
+            s = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
+        if soft_cap:
+            s = (soft_cap * LOG2E) * jnp.tanh(s * (scale / soft_cap))
+        else:
+            s = s * (scale * LOG2E)
+        mask = mask_of((first_block + j) * bk + col)
+        s = jnp.where(mask, s, NEG_INF)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.where(mask, jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
+        l = l * alpha + p.sum(axis=1)
+        p_smem[...] = p.astype(dtype)
+        plgpu.commit_smem()  # P's generic-proxy stores must be visible to the wgmma below
+        plgpu.barrier_wait(v_bar.at[slot])
+        new_acc = []
+        for c, a in enumerate(acc):
+            def pv(acc_ref, c=c):
+                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot, :, pl.ds(c * chunk, chunk)])
+                return acc_ref[...]
+            pv_c = pl.run_scoped(pv, plgpu.ACC((ROWS, chunk), jnp.float32))
+            new_acc.append(a * lax.broadcast_in_dim(alpha, a.shape, [0]) + pv_c)
+        return tuple(new_acc), m_new, l
+
+    init = (
+        tuple(layout(jnp.zeros((ROWS, chunk), jnp.float32), interpret) for _ in range(head_dim // chunk)),
+        row_layout(jnp.full((ROWS,), NEG_INF, jnp.float32), interpret),
+        row_layout(jnp.zeros((ROWS,), jnp.float32), interpret),
+    )
+    return lax.fori_loop(0, num_blocks, body, init)
+
+
+def row_iota(interpret, width):
+    return layout(lax.broadcasted_iota(jnp.int32, (ROWS, width), 0), interpret)
+
+
+def cdiv(a, b):
+    return (a + b - 1) // b
+
+

@@ -1,0 +1,190 @@
+"""The Pallas kernels, and whole engine step functions that use them, lower for CUDA on a CPU machine.
+
+`jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",))` runs Mosaic GPU's compiler down to
+NVVM, so layout, tiling, shared-memory and wgmma operand errors surface here without a GPU; each
+lowered kernel is opened to check that it got tensor-core (wgmma) and TMA instructions. What stays
+unproven without a GPU: PTX assembly, loading and running (see docs/kernels.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import itertools
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_kernels as pk
+from jaxserve.attention_backends import resolve_attention_backend
+from jaxserve.check_lowering import check_lowering, format_results
+from jaxserve.config import EngineConfig, ModelConfig, RopeConfig
+from pallas_kernels.lowering import mosaic_kernels
+
+PAGE_SIZES = (8, 16, 32, 64, 128, 256)
+GROUPS = (1, 3, 4, 8)
+SMOLLM2 = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,
+                      num_kv_heads=3, head_dim=64, intermediate_size=1536, rms_norm_eps=1e-5,
+                      rope=RopeConfig(theta=100000.0), max_position_embeddings=8192, tie_word_embeddings=True)
+TINY_LLAMA = ModelConfig(architecture="llama", vocab_size=320, hidden_size=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=64, intermediate_size=128, rms_norm_eps=1e-5,
+                         rope=RopeConfig(theta=10000.0), max_position_embeddings=512, tie_word_embeddings=True)
+TINY_GEMMA3 = ModelConfig(  # head_dim 256, GQA 8, soft-cap, sliding-window layers, q/k norms
+    architecture="gemma3", vocab_size=320, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=1, head_dim=256,
+    intermediate_size=128, rms_norm_eps=1e-6, rope=RopeConfig(theta=1e6), local_rope=RopeConfig(theta=1e4),
+    max_position_embeddings=512, tie_word_embeddings=True, qk_norm=True, sandwich_norm=True, hidden_act="gelu_tanh",
+    attn_logit_softcap=50.0, sliding_window=32, sliding_layers=(True, False))
+
+
+def selectable_configs():
+    """Every (head_dim, page_size) the engine can select for a GPU (bf16), per check_supported."""
+    configs = []
+    for head_dim, page_size in itertools.product(pk.SUPPORTED_HEAD_DIMS, PAGE_SIZES):
+        try:
+            pk.check_supported(num_heads=2, num_kv_heads=2, head_dim=head_dim, page_size=page_size,
+                               dtype=jnp.bfloat16, interpret=False)
+        except pk.UnsupportedShapeError:
+            continue
+        configs.append((head_dim, page_size))
+    return configs
+
+
+def lower_kernel(kernel, head_dim, page_size, group, soft_cap, num_kv_heads=2, num_tokens=32, num_seqs=8):
+    dt, i32 = jnp.bfloat16, (lambda *s: jax.ShapeDtypeStruct(s, jnp.int32))
+    pages = jax.ShapeDtypeStruct((2, 64, page_size, num_kv_heads, head_dim), dt)
+    args = (jax.ShapeDtypeStruct((num_tokens, group * num_kv_heads, head_dim), dt), pages, pages, i32(),
+            i32(num_seqs + 1), i32(num_seqs), i32(num_seqs, 16))
+    fn = functools.partial(kernel, scale=head_dim**-0.5, soft_cap=soft_cap)
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def test_the_selectable_configs_are_the_expected_ones():
+    """Page sizes 8..256 with head dims 64/128/256; only (256, 256) has no KV block that fits in SMEM."""
+    expected = set(itertools.product(pk.SUPPORTED_HEAD_DIMS, PAGE_SIZES)) - {(256, 256)}
+    assert set(selectable_configs()) == expected
+
+
+@pytest.mark.parametrize("kernel", [pk.ragged_paged_attention, pk.decode_attention], ids=["ragged", "decode"])
+def test_every_selectable_kernel_config_lowers_for_cuda(kernel):
+    """Each (head_dim, page_size) the engine can select lowers to a Mosaic GPU kernel using wgmma and TMA;
+    GQA ratios 1, 3, 4, 8 and soft-cap on/off rotate through the configs (neither changes block sizes)."""
+    failures = []
+    for i, (head_dim, page_size) in enumerate(selectable_configs()):
+        group, soft_cap = GROUPS[i % len(GROUPS)], (0.0, 30.0)[i % 2]
+        try:
+            (lowered_kernel,) = mosaic_kernels(lower_kernel(kernel, head_dim, page_size, group, soft_cap))
+            assert lowered_kernel.uses_wgmma and lowered_kernel.uses_tma, lowered_kernel
+        except Exception as e:  # collect them all: one run names every failing config
+            failures.append(f"{head_dim=} {page_size=} {group=} {soft_cap=}: {type(e).__name__}: {e}"[:300])
+    assert not failures, "\n".join(failures)
+
+
+def test_float32_does_not_lower_and_says_why(monkeypatch):
+    """float32 K/V would need a transposed tf32 wgmma, which Hopper lacks: check_supported refuses it
+    up front, and the lowering itself fails (so the refusal is not overcautious)."""
+    with pytest.raises(pk.UnsupportedShapeError, match="float32"):
+        pk.check_supported(num_heads=2, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.float32,
+                           interpret=False)
+    from pallas_kernels import common
+
+    monkeypatch.setattr(common, "check_supported", lambda **kw: None)
+    pages = jax.ShapeDtypeStruct((2, 8, 16, 2, 64), jnp.float32)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    fn = functools.partial(pk.ragged_paged_attention, scale=0.125)
+    with pytest.raises(ValueError, match="transposes"):
+        jax.jit(fn).trace(jax.ShapeDtypeStruct((8, 2, 64), jnp.float32), pages, pages, i32(), i32(3), i32(2),
+                          i32(2, 4)).lower(lowering_platforms=("cuda",))
+
+
+def _assert_all_lowered_with_kernels(results, backend="pallas"):
+    table = format_results(results, "cuda")
+    assert all(r.ok for r in results), table
+    for r in results:
+        assert r.attention_backend == backend, table
+        expected = "paged_decode_attention" if r.kind == "decode" else "ragged_paged_attention"
+        assert [k.name for k in r.kernels] == [expected], table  # once: the layer scan's body
+        assert all(k.uses_wgmma and k.uses_tma for k in r.kernels), table
+
+
+def test_tiny_model_step_functions_lower_for_cuda():
+    """The engine's whole jitted prefill and decode steps (forward, Pallas attention, sampler) of a tiny
+    llama lower for CUDA in every bucket, with one kernel per step in the layer loop."""
+    engine = EngineConfig(dtype="bfloat16", attention_backend="pallas", max_model_len=256, max_num_seqs=4,
+                          max_num_batched_tokens=32, num_kv_pages=32)
+    _assert_all_lowered_with_kernels(check_lowering(TINY_LLAMA, engine, platform="cuda"))
+
+
+def test_gemma3_shapes_lower_for_cuda():
+    """head_dim 256, eight query heads per KV head, soft-cap and per-layer sliding windows (a traced
+    scalar) in a whole step function: the most demanding selectable kernel configuration."""
+    engine = EngineConfig(dtype="bfloat16", attention_backend="pallas", max_model_len=256, max_num_seqs=2,
+                          max_num_batched_tokens=16, num_kv_pages=32, block_size=32)
+    _assert_all_lowered_with_kernels(check_lowering(TINY_GEMMA3, engine, platform="cuda"))
+
+
+def test_default_model_step_functions_lower_for_cuda():
+    """SmolLM2-135M's shapes (30 layers, 9 heads over 3 KV heads, head_dim 64, vocab 49152), params as
+    ShapeDtypeStructs, the default engine buckets: every prefill and decode step lowers for CUDA."""
+    engine = EngineConfig(dtype="bfloat16", attention_backend="pallas", num_kv_pages=256)
+    results = check_lowering(SMOLLM2, engine, platform="cuda")
+    assert len(results) == 12  # prefill 16..512, decode 1..32
+    _assert_all_lowered_with_kernels(results)
+
+
+def test_auto_picks_pallas_for_a_gpu_only_when_the_model_fits(caplog):
+    """auto resolves to pallas for a bf16 model the kernels take, and to xla -- with the reason logged --
+    for float32 or an unsupported head dim; on CPU it is always xla. Bad settings are refused by name."""
+    bf16 = EngineConfig(dtype="bfloat16")
+    assert resolve_attention_backend("auto", SMOLLM2, bf16, platform="gpu") == "pallas"
+    assert resolve_attention_backend("auto", SMOLLM2, bf16, platform="cpu") == "xla"
+    with caplog.at_level(logging.WARNING, logger="jaxserve.attention_backends"):
+        assert resolve_attention_backend("auto", SMOLLM2, EngineConfig(dtype="float32"), platform="gpu") == "xla"
+        odd = ModelConfig(**{**TINY_LLAMA.__dict__, "head_dim": 16})
+        assert resolve_attention_backend("auto", odd, bf16, platform="gpu") == "xla"
+    assert "float32" in caplog.text and "head_dim=16" in caplog.text
+    with pytest.raises(ValueError, match="float32"):
+        resolve_attention_backend("pallas", SMOLLM2, EngineConfig(dtype="float32"), platform="gpu")
+    with pytest.raises(ValueError, match="needs a GPU"):
+        resolve_attention_backend("pallas", SMOLLM2, bf16, platform="cpu")
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineConfig(attention_backend="triton")
+    with pytest.raises(ValueError, match="forbid_compilation_after_warmup"):
+        EngineConfig(attention_backend="pallas-interpret", forbid_compilation_after_warmup=True)
+
+
+def test_a_bucket_that_fails_to_lower_is_reported_not_raised(monkeypatch):
+    """check_lowering keeps going past a failing bucket and names the error in its row and summary."""
+    from jaxserve.model_runner import ModelRunner
+
+    real_lower = ModelRunner.lower
+
+    def lower(self, kind, bucket, platforms=None):
+        if kind == "decode" and bucket == 2:
+            raise RuntimeError("injected failure")
+        return real_lower(self, kind, bucket, platforms)
+
+    monkeypatch.setattr(ModelRunner, "lower", lower)
+    engine = EngineConfig(dtype="bfloat16", attention_backend="xla", max_model_len=64, max_num_seqs=2,
+                          max_num_batched_tokens=16, num_kv_pages=8)
+    results = check_lowering(TINY_LLAMA, engine, platform="cuda")
+    table = format_results(results, "cuda")
+    assert [r.ok for r in results] == [True, True, False], table
+    assert "RuntimeError: injected failure" in table and "2 of 3 step functions lowered" in table
+
+
+def test_kernel_benchmark_without_a_gpu_says_so_and_exits_0(capsys):
+    """benchmarks/bench_kernels.py on a machine without a GPU prints why it measures nothing and returns 0;
+    its dry run plans Llama-3-8B-like shapes, contexts 512..32k, batches 1..256."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_kernels", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main([]) == 0
+    assert "no GPU here" in capsys.readouterr().out
+    assert bench.main(["--dry-run"]) == 0
+    plan = capsys.readouterr().out
+    assert "decode   batch=   1 context=   512" in plan and "decode   batch= 256 context=  8192" in plan
+    assert "prefill  batch=  16 context= 32768" in plan
