@@ -94,11 +94,17 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
-    from jaxserve.weights import load_model, save_checkpoint
+    from jaxserve.weights import load_hf_config, load_model, save_checkpoint
 
+    hf_config = load_hf_config(args.src) if args.to == "hf" else None  # fail before the slow load
     loaded = load_model(args.src, args.dtype)
-    dst = save_checkpoint(loaded, args.dst)
-    print(f"wrote {dst} ({loaded.config.architecture}, {args.dtype})")
+    if args.to == "hf":
+        from jaxserve.export import save_hf_dir
+
+        dst = save_hf_dir(loaded, hf_config, args.dst, args.dtype)
+    else:
+        dst = save_checkpoint(loaded, args.dst)
+    print(f"wrote {dst} ({loaded.config.architecture}, {args.dtype}, {args.to} format)")
 
 
 def cmd_check_lowering(args: argparse.Namespace) -> None:
@@ -145,11 +151,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_flags(srv)
     srv.set_defaults(func=serve)
 
-    convert = sub.add_parser("convert", help="convert a model to a jaxserve (orbax) checkpoint")
+    convert = sub.add_parser("convert", help="convert a model to a jaxserve (orbax) checkpoint or a HF directory")
     convert.add_argument("src", nargs="?", default=None, help="model to convert (default: SmolLM2-135M-Instruct)")
     convert.add_argument("dst")
     convert.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    convert.add_argument("--to", default="jaxserve", choices=["jaxserve", "hf"],
+                         help="jaxserve: orbax checkpoint (fastest to load); hf: config.json + safetensors "
+                              "(for transformers, vLLM, ...)")
     convert.set_defaults(func=cmd_convert)
+
+    from jaxserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
 
     lower = sub.add_parser("check-lowering", help="lower every bucket's step functions for a platform (no GPU needed)")
     _add_engine_flags(lower, positional_model=True)

@@ -47,6 +47,7 @@ class LLMEngine:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self.last_schedule = None  # the most recent SchedulerOutput, for tests and debugging
+        self.num_steps = 0  # steps that ran the model
         self._compilations_after_warmup: int | None = None
         logger.info("max concurrent tokens in the KV pool: %d", self.runner.max_concurrent_tokens)
 
@@ -127,6 +128,7 @@ class LLMEngine:
         self.last_schedule = output
         if not output.scheduled:
             return []
+        self.num_steps += 1
         seqs = [self._scheduled_seq(request, n) for request, n in output.scheduled]
         with_logprobs = any(r.sampling_params.logprobs is not None for r, _ in output.scheduled)
         sampled = self.runner.fetch(self.runner.execute(seqs), len(seqs), with_logprobs)
@@ -171,6 +173,7 @@ class LLMEngine:
             "prefix_cache_queries": pool.num_queried_tokens,
             "prefix_cache_hits": pool.num_hit_tokens,
             "num_preemptions": scheduler.num_preemptions,
+            "num_steps": self.num_steps,
             "num_pages": pool.num_pages - 1,
             "num_used_pages": pool.num_used_pages,
             "num_cached_pages": pool.num_cached_pages,

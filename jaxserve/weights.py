@@ -70,6 +70,29 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "float32") -
     return _load_hf_dir(path, dtype)
 
 
+def load_tokenizer(model: str | os.PathLike | None = None):
+    """Only the tokenizer of a model directory, GGUF file or checkpoint (None: the default model's)."""
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"tokenizer path {str(path)!r} does not exist")
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf_tokenizer(path)
+    return _load_tokenizer(path.parent if path.is_file() else path)
+
+
+def load_hf_config(model: str | os.PathLike | None = None):
+    """The transformers config of a model directory or GGUF file (what `jaxserve convert --to hf` writes)."""
+    from transformers import AutoConfig
+
+    path = default_model_path() if model is None else Path(model).expanduser()
+    try:
+        if path.is_file():
+            return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        return AutoConfig.from_pretrained(path)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read a Hugging Face config from {str(path)!r}: {e}") from None
+
+
 # ----------------------------------------------------------------------------------------------
 # Hugging Face tensor names -> our params. Both safetensors and GGUF go through this.
 

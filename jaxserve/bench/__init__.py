@@ -1,0 +1,1 @@
+"""`jaxserve bench`: serving (`serve`, any OpenAI-compatible server) and offline (`throughput`) benchmarks."""

@@ -1,0 +1,95 @@
+"""How close a run came to the machine's limits: model FLOPs and weight bytes against the device's peak.
+
+On a GPU the peak comes from the data sheet of the device kind JAX reports (dense, no sparsity). On
+a CPU there is no honest data-sheet number, so the peak is a large f32 matmul measured in the same
+process, which is what the benchmarks' "compute ceiling" is built from.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+# device_kind substring -> (bf16 dense FLOP/s, f32 FLOP/s as XLA runs it (TF32), memory bytes/s)
+GPU_PEAKS = {
+    "H200": (989e12, 495e12, 4.8e12),
+    "H100 PCIe": (756e12, 378e12, 2.0e12),
+    "H100": (989e12, 495e12, 3.35e12),
+    "A100": (312e12, 156e12, 2.0e12),
+    "L40S": (362e12, 183e12, 0.864e12),
+    "L4": (121e12, 60e12, 0.3e12),
+}
+
+
+def gpu_peak(device_kind: str, dtype: str) -> tuple[float, float] | None:
+    """(FLOP/s, bytes/s) for a known GPU kind, else None."""
+    for name, (bf16, f32, bandwidth) in GPU_PEAKS.items():
+        if name in device_kind:
+            return (f32 if dtype == "float32" else bf16), bandwidth
+    return None
+
+
+def measure_matmul_flops(size: int = 2048, repeats: int = 10, dtype=jnp.float32) -> float:
+    """FLOP/s of a square matmul on the default device, best of `repeats` after a warm-up."""
+    a = jnp.ones((size, size), dtype)
+    matmul = jax.jit(lambda x, y: x @ y)
+    matmul(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def measure_torch_matmul_flops(size: int = 2048, repeats: int = 10) -> float | None:
+    """The same measurement through PyTorch (what HF transformers and vLLM-CPU run on), if installed."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    a = torch.ones(size, size)
+    a @ a
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def model_flops(model_cfg, num_prompt_tokens: int, num_output_tokens: int) -> float:
+    """2 x params per token through the layers, plus the LM head once per output token (attention left out)."""
+    d, h, kvh, hd = model_cfg.hidden_size, model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim
+    per_layer = d * (h + 2 * kvh) * hd + h * hd * d + 3 * d * model_cfg.intermediate_size
+    body = per_layer * model_cfg.num_layers
+    head = d * model_cfg.vocab_size
+    return 2.0 * (body * (num_prompt_tokens + num_output_tokens) + head * num_output_tokens)
+
+
+def param_bytes(params) -> int:
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+
+
+def utilization_lines(model_cfg, params, dtype: str, num_prompt_tokens: int, num_output_tokens: int,
+                      num_steps: int, seconds: float) -> list[str]:
+    """Human lines: achieved model FLOP/s and weight bandwidth, and their fraction of the peak."""
+    flops = model_flops(model_cfg, num_prompt_tokens, num_output_tokens) / seconds
+    weight_bandwidth = param_bytes(params) * num_steps / seconds  # every step reads every weight once
+    device = jax.devices()[0]
+    lines = [f"model FLOP/s achieved: {flops / 1e9:.1f} GFLOP/s; weight reads: {weight_bandwidth / 1e9:.2f} GB/s "
+             f"({num_steps} steps)"]
+    if device.platform == "gpu":
+        peak = gpu_peak(device.device_kind, dtype)
+        if peak is None:
+            lines.append(f"no peak figures known for {device.device_kind!r}; MFU/MBU not computed")
+        else:
+            lines.append(f"{device.device_kind}: MFU {flops / peak[0]:.1%} of {peak[0] / 1e12:.0f} TFLOP/s, "
+                         f"MBU (weights only) {weight_bandwidth / peak[1]:.1%} of {peak[1] / 1e12:.2f} TB/s")
+    else:
+        matmul = measure_matmul_flops()
+        lines.append(f"{device.platform}: {flops / matmul:.1%} of a large f32 matmul measured now "
+                     f"({matmul / 1e9:.0f} GFLOP/s)")
+    return lines

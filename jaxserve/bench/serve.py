@@ -1,0 +1,203 @@
+"""`jaxserve bench serve`: a load generator for any OpenAI-compatible server (jaxserve, vLLM, ...).
+
+It streams every request (so it can time the first token and the gaps between chunks), asks for
+usage in the last chunk, keeps at most --max-concurrency requests in flight, and spaces arrivals
+by a Poisson process of --request-rate (inf: all at once). `--sweep 1 8 32` repeats the run at each
+concurrency and adds one table and, with --plot, a PNG of throughput and latency vs concurrency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxserve.bench.datasets import BenchRequest, jsonl_requests, random_requests
+from jaxserve.bench.metrics import RequestResult, format_summary, format_sweep, plot_sweep, summarize
+
+
+def _payload(endpoint: str, model: str, request: BenchRequest, ignore_eos: bool) -> dict:
+    body = {"model": model, "max_tokens": request.output_len, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True  # vLLM's extension; jaxserve has it too
+    if endpoint == "chat":
+        return body | {"messages": [{"role": "user", "content": request.prompt}]}
+    return body | {"prompt": request.prompt}
+
+
+async def send_request(client, url: str, body: dict, request: BenchRequest) -> RequestResult:
+    """Streams one request; a non-200 answer, an error event or a broken stream makes it a failure."""
+    result = RequestResult(prompt_len=request.prompt_len)
+    start = last = time.perf_counter()
+    num_chunks = 0
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {text[:300]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = f"stream error: {chunk['error']}"
+                    return result
+                now = time.perf_counter()
+                if chunk.get("choices"):
+                    if num_chunks == 0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    num_chunks += 1
+                    last = now
+                elif chunk.get("usage"):
+                    result.output_len = chunk["usage"]["completion_tokens"]
+                    result.prompt_len = chunk["usage"].get("prompt_tokens", result.prompt_len)
+    except Exception as e:  # a benchmark reports failures rather than dying on the first one
+        result.error = f"{type(e).__name__}: {e}"
+        return result
+    if num_chunks == 0:
+        result.error = "the stream ended without any content chunk"
+        return result
+    result.latency = last - start
+    result.output_len = result.output_len or num_chunks
+    result.success = True
+    return result
+
+
+async def run_once(base_url: str, endpoint: str, model: str, requests: list[BenchRequest], *,
+                   max_concurrency: int | None, request_rate: float, ignore_eos: bool, seed: int,
+                   num_warmups: int = 0, api_key: str | None = None, progress: bool = True) -> tuple[list, float]:
+    """Sends every request; returns (results in dataset order, wall seconds from first send to last answer)."""
+    import httpx
+
+    url = base_url.rstrip("/") + ("/v1/chat/completions" if endpoint == "chat" else "/v1/completions")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limit = max_concurrency or len(requests)
+    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    semaphore = asyncio.Semaphore(limit)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits, headers=headers) as client:
+        async def limited(request: BenchRequest) -> RequestResult:
+            async with semaphore:
+                return await send_request(client, url, _payload(endpoint, model, request, ignore_eos), request)
+
+        if num_warmups:
+            warm = await asyncio.gather(*(limited(requests[i % len(requests)]) for i in range(num_warmups)))
+            if not any(r.success for r in warm):
+                raise RuntimeError(f"every warm-up request failed; the first: {warm[0].error}")
+
+        rng = np.random.default_rng(seed)
+        bar = tqdm(total=len(requests), desc=f"benchmark (concurrency {max_concurrency or 'inf'})", unit="req",
+                   disable=not progress)
+
+        async def tracked(request: BenchRequest) -> RequestResult:
+            result = await limited(request)
+            bar.update(1)
+            return result
+
+        start = time.perf_counter()
+        tasks = []
+        for request in requests:
+            tasks.append(asyncio.create_task(tracked(request)))
+            if math.isfinite(request_rate):
+                await asyncio.sleep(rng.exponential(1.0 / request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        bar.close()
+    return results, duration
+
+
+def served_model(base_url: str, api_key: str | None) -> str:
+    """The first model id that /v1/models lists."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"cannot read the served model from {base_url}/v1/models ({e}); pass --model") from None
+
+
+def build_requests(args: argparse.Namespace) -> list[BenchRequest]:
+    from jaxserve.weights import load_tokenizer
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    if args.dataset_path:
+        return jsonl_requests(args.dataset_path, tokenizer, args.num_prompts, args.output_len)
+    return random_requests(tokenizer, args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Runs the benchmark (or the sweep) the flags describe; prints tables, writes --out and --plot."""
+    if args.plot and not args.sweep:
+        raise ValueError("--plot needs --sweep (it plots throughput and latency against concurrency)")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib: pip install 'jaxserve[bench]'")
+    base_url = args.base_url or f"http://{args.host}:{args.port}"
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    model = args.model or served_model(base_url, api_key)
+    requests = build_requests(args)
+    concurrencies = args.sweep or [args.max_concurrency]
+    summaries = []
+    for concurrency in concurrencies:
+        results, duration = asyncio.run(run_once(
+            base_url, args.endpoint, model, requests, max_concurrency=concurrency,
+            request_rate=args.request_rate, ignore_eos=args.ignore_eos, seed=args.seed,
+            num_warmups=args.num_warmups, api_key=api_key, progress=not args.no_progress))
+        summary = summarize(results, duration) | {"max_concurrency": concurrency, "request_rate": args.request_rate}
+        summaries.append(summary)
+        print(format_summary(summary, f"{args.label} at concurrency {concurrency or 'inf'}"), flush=True)
+    if args.sweep:
+        print("\n" + format_sweep({args.label: summaries}))
+    report = {"label": args.label, "base_url": base_url, "model": model, "endpoint": args.endpoint,
+              "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+              "range_ratio": args.range_ratio, "dataset_path": args.dataset_path, "runs": summaries}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.plot:
+        plot_sweep({args.label: summaries}, args.plot, f"{model}: {args.input_len} in / {args.output_len} out")
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return report
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default=None, help="the server's root URL (default: http://HOST:PORT)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    parser.add_argument("--model", default=None, help="model id to send (default: the first of /v1/models)")
+    parser.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer for the prompts: model dir, GGUF or checkpoint (default: SmolLM2's)")
+    parser.add_argument("--dataset-path", default=None, help="JSONL of {\"prompt\": ...} (default: random prompts)")
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--input-len", type=int, default=256, help="random dataset: prompt tokens")
+    parser.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
+    parser.add_argument("--range-ratio", type=float, default=0.0, help="random lengths in len*(1 -/+ ratio)")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second")
+    parser.add_argument("--sweep", type=int, nargs="+", default=None, metavar="CONCURRENCY",
+                        help="run once per concurrency and tabulate them")
+    parser.add_argument("--num-warmups", type=int, default=0, help="untimed requests sent first")
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate --output-len tokens")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--label", default="server", help="the engine's name in tables and plots")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--plot", default=None, help="with --sweep: write a PNG plot here")
+    parser.add_argument("--no-progress", action="store_true")

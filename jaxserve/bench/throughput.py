@@ -1,0 +1,64 @@
+"""`jaxserve bench throughput`: offline `LLM.generate` throughput on the benchmark datasets.
+
+The same prompts as `jaxserve bench serve` (random or JSONL), run in-process with no HTTP, all
+submitted at once; warm-up compiles are outside the timed region. Prints requests/s, output and
+total tokens/s, and how close the run came to the device's peak (hardware.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def run(args: argparse.Namespace) -> dict:
+    from jaxserve.bench.datasets import jsonl_requests, random_requests
+    from jaxserve.bench.hardware import utilization_lines
+    from jaxserve.cli import _engine_kwargs
+    from jaxserve.llm import LLM
+    from jaxserve.sampling import SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, **_engine_kwargs(args))
+    if args.dataset_path:
+        requests = jsonl_requests(args.dataset_path, llm.tokenizer, args.num_prompts, args.output_len)
+    else:
+        requests = random_requests(llm.tokenizer, args.num_prompts, args.input_len, args.output_len,
+                                   args.range_ratio, args.seed)
+    prompts = [{"prompt": r.prompt, "add_special_tokens": False} for r in requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=args.ignore_eos) for r in requests]
+    steps_before = llm.engine.num_steps
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+    seconds = time.perf_counter() - start
+    num_in = sum(len(o.prompt_token_ids) for o in outputs)
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    num_steps = llm.engine.num_steps - steps_before
+    result = {"num_prompts": len(requests), "seconds": seconds, "num_steps": num_steps,
+              "total_input_tokens": num_in, "total_output_tokens": num_out,
+              "request_throughput": len(requests) / seconds, "output_throughput": num_out / seconds,
+              "total_token_throughput": (num_in + num_out) / seconds,
+              "stats": {k: v for k, v in llm.get_stats().items() if k != "compiled_shapes"}}
+    print(f"\n| offline throughput | |\n|---|---|\n| requests | {len(requests)} |\n"
+          f"| seconds | {seconds:.1f} |\n| input / output tokens | {num_in} / {num_out} |\n"
+          f"| requests/s | {result['request_throughput']:.2f} |\n"
+          f"| output tokens/s | {result['output_throughput']:.1f} |\n"
+          f"| total tokens/s | {result['total_token_throughput']:.1f} |\n")
+    result["utilization"] = utilization_lines(llm.engine.model_cfg, llm.engine.runner.params, args.dtype,
+                                              num_in, num_out, num_steps, seconds)
+    print("\n".join(result["utilization"]))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+    return result
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dataset-path", default=None, help="JSONL of {\"prompt\": ...} (default: random prompts)")
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--range-ratio", type=float, default=0.0)
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--no-progress", action="store_true")

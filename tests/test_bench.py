@@ -1,0 +1,210 @@
+"""`jaxserve bench` (serve and throughput) and `jaxserve convert --to hf`, on tiny random models.
+
+The serving benchmark is checked against what the server itself counted (/metrics), so a client
+that miscounts tokens or requests fails here; the metric math is checked on hand-made timings.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from server_helpers import API_KEY, REPO_ROOT, TINY_FLAGS, metric, metric_samples, run_server
+from tiny_models import byte_tokenizer
+
+from jaxserve.bench.datasets import jsonl_requests, random_requests
+from jaxserve.bench.metrics import RequestResult, format_sweep, summarize
+
+
+def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxserve.cli", *args], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+# -- metrics -------------------------------------------------------------------------------------
+
+
+def test_summary_follows_vllm_definitions():
+    """TTFT per request, TPOT excludes the first token, ITL pools every gap, failures are not counted."""
+    results = [
+        RequestResult(True, prompt_len=10, output_len=5, ttft=0.1, latency=0.5, itl=[0.1] * 4),
+        RequestResult(True, prompt_len=20, output_len=3, ttft=0.3, latency=0.7, itl=[0.1, 0.3]),
+        RequestResult(True, prompt_len=5, output_len=1, ttft=0.2, latency=0.2, itl=[]),
+        RequestResult(False, prompt_len=7, error="HTTP 503"),
+    ]
+    s = summarize(results, duration=2.0)
+    assert (s["completed"], s["failed"]) == (3, 1)
+    assert (s["total_input_tokens"], s["total_output_tokens"]) == (35, 9)
+    assert s["output_throughput"] == pytest.approx(4.5) and s["request_throughput"] == pytest.approx(1.5)
+    assert s["total_token_throughput"] == pytest.approx(22.0)
+    assert s["median_ttft_ms"] == pytest.approx(200.0) and s["mean_ttft_ms"] == pytest.approx(200.0)
+    # TPOT: (0.5-0.1)/4 = 0.1 and (0.7-0.3)/2 = 0.2; the one-token request has none
+    assert s["mean_tpot_ms"] == pytest.approx(150.0)
+    assert s["mean_itl_ms"] == pytest.approx(1000 * (0.4 + 0.4) / 6)
+    assert s["p99_e2el_ms"] == pytest.approx(1000 * np.percentile([0.5, 0.7, 0.2], 99))
+    assert s["first_error"] == "HTTP 503"
+
+
+def test_summary_of_all_failures_is_nan_not_an_exception():
+    s = summarize([RequestResult(False, error="boom")], duration=1.0)
+    assert s["completed"] == 0 and math.isnan(s["median_ttft_ms"])
+
+
+# -- datasets ------------------------------------------------------------------------------------
+
+
+def test_random_dataset_lengths_seed_and_range():
+    tokenizer = byte_tokenizer()
+    requests = random_requests(tokenizer, 40, input_len=50, output_len=20, range_ratio=0.2, seed=3)
+    assert requests == random_requests(tokenizer, 40, input_len=50, output_len=20, range_ratio=0.2, seed=3)
+    assert requests != random_requests(tokenizer, 40, input_len=50, output_len=20, range_ratio=0.2, seed=4)
+    for r in requests:
+        assert r.prompt_len == len(tokenizer.encode(r.prompt, add_special_tokens=False))
+        assert 16 <= r.output_len <= 24
+        assert 40 <= r.prompt_len <= 60
+    assert len({r.output_len for r in requests}) > 1  # the range is used, not just its middle
+    with pytest.raises(ValueError, match="range_ratio"):
+        random_requests(tokenizer, 1, 10, 10, range_ratio=1.0)
+
+
+def test_jsonl_dataset_cycles_and_names_bad_lines(tmp_path):
+    tokenizer = byte_tokenizer()
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "hello"}\n\n{"prompt": "hi there", "output_len": 3}\n')
+    requests = jsonl_requests(path, tokenizer, 5, output_len=7)
+    assert [r.prompt for r in requests] == ["hello", "hi there", "hello", "hi there", "hello"]
+    assert [r.output_len for r in requests[:2]] == [7, 3] and requests[0].prompt_len == 5
+    path.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
+    with pytest.raises(ValueError, match=r"prompts.jsonl:2"):
+        jsonl_requests(path, tokenizer, 2, output_len=7)
+
+
+def test_format_sweep_has_one_row_per_engine_and_concurrency():
+    row = summarize([RequestResult(True, 4, 2, 0.1, 0.2, [0.1])], 1.0)
+    table = format_sweep({"a": [row | {"max_concurrency": 1}, row | {"max_concurrency": 8}],
+                          "b": [row | {"max_concurrency": 1}]})
+    assert [line.split("|")[1:3] for line in table.splitlines()[2:]] == [[" a ", " 1 "], [" a ", " 8 "],
+                                                                        [" b ", " 1 "]]
+
+
+# -- against a real server -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with run_server([str(tiny_model_dir("llama")), *TINY_FLAGS]) as proc:
+        yield proc
+
+
+def test_bench_serve_sweep_agrees_with_the_servers_counters(server, tiny_model_dir, tmp_path):
+    """Every request succeeds, and the tokens it reports are the ones the server says it generated."""
+    before = metric_samples(server.url)
+    out, plot = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    run = _cli("bench", "serve", "--base-url", server.url, "--api-key", API_KEY, "--tokenizer",
+               str(tiny_model_dir("llama")), "--num-prompts", "6", "--input-len", "20", "--output-len", "5",
+               "--ignore-eos", "--sweep", "1", "4", "--out", str(out), "--plot", str(plot), "--no-progress")
+    assert run.returncode == 0, run.stderr
+    after = metric_samples(server.url)
+    report = json.loads(out.read_text())
+    assert report["model"] == "tiny"  # read from /v1/models
+    runs = report["runs"]
+    assert [r["max_concurrency"] for r in runs] == [1, 4]
+    for r in runs:
+        assert (r["completed"], r["failed"]) == (6, 0)
+        assert r["total_output_tokens"] == 6 * 5  # --ignore-eos: exactly max_tokens each
+        assert r["median_ttft_ms"] > 0 and r["median_tpot_ms"] > 0 and r["output_throughput"] > 0
+    generated = (metric(after, "jaxserve:generation_tokens_total") - metric(before, "jaxserve:generation_tokens_total"))
+    prompted = metric(after, "jaxserve:prompt_tokens_total") - metric(before, "jaxserve:prompt_tokens_total")
+    assert generated == sum(r["total_output_tokens"] for r in runs)
+    assert prompted == sum(r["total_input_tokens"] for r in runs)
+    assert "| server | 4 |" in run.stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_serve_chat_endpoint(server, tiny_model_dir, tmp_path):
+    out = tmp_path / "chat.json"
+    run = _cli("bench", "serve", "--base-url", server.url, "--api-key", API_KEY, "--tokenizer",
+               str(tiny_model_dir("llama")), "--endpoint", "chat", "--num-prompts", "3", "--input-len", "10",
+               "--output-len", "4", "--ignore-eos", "--max-concurrency", "2", "--out", str(out), "--no-progress")
+    assert run.returncode == 0, run.stderr
+    (summary,) = json.loads(out.read_text())["runs"]
+    assert (summary["completed"], summary["total_output_tokens"]) == (3, 12)
+    assert summary["total_input_tokens"] > 3 * 10  # the chat template's tokens count as prompt tokens
+
+
+def test_bench_serve_reports_failures_instead_of_crashing(server, tiny_model_dir, tmp_path):
+    out = tmp_path / "bad.json"
+    run = _cli("bench", "serve", "--base-url", server.url, "--api-key", "wrong", "--model", "tiny",
+               "--tokenizer", str(tiny_model_dir("llama")), "--num-prompts", "2", "--input-len", "8",
+               "--output-len", "2", "--out", str(out), "--no-progress")
+    assert run.returncode == 0, run.stderr
+    (summary,) = json.loads(out.read_text())["runs"]
+    assert (summary["completed"], summary["failed"]) == (0, 2)
+    assert summary["first_error"].startswith("HTTP 401")
+
+
+def test_bench_serve_unreachable_server_is_a_clear_error(tiny_model_dir):
+    run = _cli("bench", "serve", "--base-url", "http://127.0.0.1:9", "--tokenizer", str(tiny_model_dir("llama")),
+               "--num-prompts", "1")
+    assert run.returncode == 2
+    assert "cannot read the served model" in run.stderr and "Traceback" not in run.stderr
+
+
+# -- offline -------------------------------------------------------------------------------------
+
+
+def test_bench_throughput_counts_every_token(tiny_model_dir, tmp_path):
+    out = tmp_path / "tput.json"
+    run = _cli("bench", "throughput", "--model", str(tiny_model_dir("llama")), "--max-model-len", "128",
+               "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--block-size", "8", "--num-kv-pages", "96",
+               "--num-prompts", "10", "--input-len", "24", "--output-len", "6", "--ignore-eos", "--out", str(out),
+               "--no-progress")
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    assert result["total_output_tokens"] == 60 and result["num_prompts"] == 10
+    assert result["num_steps"] >= 6  # at least one step per output token
+    assert result["stats"]["compilations_since_warmup"] == 0
+    assert "output tokens/s" in run.stdout and "of a large f32 matmul" in run.stdout
+
+
+# -- convert --to hf -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_convert_to_hf_round_trips_through_transformers(family, tiny_model_dir, tmp_path):
+    """The exported directory gives transformers the same logits as the original, and jaxserve the same params."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxserve.weights import load_model
+
+    src = tiny_model_dir(family)
+    dst = tmp_path / "hf"
+    run = _cli("convert", str(src), str(dst), "--to", "hf")
+    assert run.returncode == 0, run.stderr
+    ids = torch.tensor([[5, 17, 99, 3, 250, 42, 7]])
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32)(ids).logits
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    original, exported = load_model(src), load_model(dst)
+    assert exported.config == original.config
+    for a, b in zip(*(jax_leaves(m.params) for m in (original, exported))):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_convert_to_hf_refuses_a_non_empty_destination(tiny_model_dir, tmp_path):
+    (tmp_path / "keep.txt").write_text("x")
+    run = _cli("convert", str(tiny_model_dir("llama")), str(tmp_path), "--to", "hf")
+    assert run.returncode == 2 and "not empty" in run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]
+
+
+def jax_leaves(params):
+    import jax
+
+    return [np.asarray(leaf) for leaf in jax.tree.leaves(params)]
