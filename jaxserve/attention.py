@@ -43,25 +43,127 @@ def write_kv(k_pages, v_pages, layer, k, v, slot_mapping):
     return k_pages, v_pages
 
 
-def _query_tiles(cu_q_lens, kv_lens, num_tokens: int, q_block: int):
-    """Splits each sequence's query rows into tiles of `q_block` rows that never span two sequences.
+def _gather_pages(pages, layer, page_ids):
+    """Whole pages [..., num_pages_in_block] -> keys or values [..., block_tokens, num_kv_heads, head_dim].
 
-    Returns, per tile: its sequence, its token rows [num_tiles, q_block] (num_tokens where padded),
-    and the rows' positions. The tile count is a static upper bound; surplus tiles are all padding.
+    Gathering page-sized slabs (page_size x KVH x D contiguous values) rather than single tokens keeps
+    the copy few and large, which is what the CPU's memory system rewards.
     """
-    num_seqs = kv_lens.shape[0]
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [S]
-    tiles_per_seq = -(-q_lens // q_block)
+    block = pages[layer, page_ids]  # [..., pages_in_block, page_size, KVH, D]
+    return block.reshape(*page_ids.shape[:-1], -1, *pages.shape[3:]).astype(jnp.float32)
+
+
+def _key_range(first_pos, last_pos, kv_len, sliding_window, kv_block: int):
+    """First key block and number of key blocks that queries at positions [first_pos, last_pos] need."""
+    key_end = jnp.minimum(last_pos + 1, kv_len)
+    key_start = jnp.where(sliding_window > 0, jnp.maximum(first_pos - sliding_window + 1, 0), 0)
+    key_start = jnp.where(key_end > 0, key_start, 0)
+    first_block = key_start // kv_block
+    return first_block, jnp.maximum(-(-key_end // kv_block) - first_block, 0)
+
+
+def _online_softmax_step(carry, s, mask, v, out_spec: str):
+    """One key block of flash attention: masked scores s [..., k] and values v -> updated (m, l, acc)."""
+    m, l, acc = carry
+    s = jnp.where(mask, s, NEG_INF)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+    alpha = jnp.exp(m - m_new)
+    return m_new, l * alpha + p.sum(axis=-1), acc * alpha[..., None] + jnp.einsum(out_spec, p, v)
+
+
+def _last_row_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *, scale, sliding_window, soft_cap,
+                        kv_block: int):
+    """Attention of each sequence's last query row (all of a decode row): [S, H, D], vectorized over S.
+
+    The loop over key blocks runs as far as the longest sequence needs; the rows are independent, so
+    this is the decode path of every step.
+    """
+    num_seqs = md.kv_lens.shape[0]
+    num_tokens, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_pages.shape[2], k_pages.shape[3]
+    pages_per_block = kv_block // page_size
+    q_lens = md.cu_q_lens[1:] - md.cu_q_lens[:-1]
+    rows = jnp.clip(md.cu_q_lens[1:] - 1, 0, num_tokens - 1)
+    q_rows = (q[rows].astype(jnp.float32) * scale).reshape(num_seqs, num_kv_heads, -1, head_dim)  # [S, KVH, G, D]
+    pos = md.kv_lens - 1  # [S]
+    first_block, num_blocks = _key_range(pos, jnp.where(q_lens > 0, pos, -1), md.kv_lens, sliding_window, kv_block)
+    tables = jnp.pad(md.block_tables, ((0, 0), (0, pages_per_block)))  # reads past the end hit page 0
+
+    def body(j, carry):
+        block = first_block + j  # [S]
+        page_idx = block[:, None] * pages_per_block + jnp.arange(pages_per_block)[None, :]
+        page_ids = jnp.take_along_axis(tables, jnp.minimum(page_idx, tables.shape[1] - 1), axis=1)
+        k = _gather_pages(k_pages, layer, page_ids)  # [S, Bk, KVH, D]
+        v = _gather_pages(v_pages, layer, page_ids)
+        s = jnp.einsum("shgd,skhd->shgk", q_rows, k)  # [S, KVH, G, Bk]
+        if soft_cap:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        key_pos = block[:, None] * kv_block + jnp.arange(kv_block)[None, :]  # [S, Bk]
+        mask = (key_pos <= pos[:, None]) & (j < num_blocks)[:, None]
+        mask &= (sliding_window <= 0) | (key_pos > pos[:, None] - sliding_window)
+        return _online_softmax_step(carry, s, mask[:, None, None, :], v, "shgk,skhd->shgd")
+
+    shape = (num_seqs, num_kv_heads, num_heads // num_kv_heads)
+    init = (jnp.full(shape, NEG_INF), jnp.zeros(shape), jnp.zeros(shape + (head_dim,)))
+    _, l, acc = jax.lax.fori_loop(0, jnp.max(num_blocks), body, init)
+    return (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(num_seqs, num_heads, head_dim)
+
+
+def _chunk_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *, scale, sliding_window, soft_cap,
+                     q_block: int, kv_block: int):
+    """Attention of the rows of sequences with more than one query row (prompt chunks): [T, H, D].
+
+    Tiles of q_block rows never span two sequences. A loop runs over the tiles that exist in this
+    step (a traced trip count: padding costs nothing) and, inside, over the key blocks that tile
+    needs, so the work follows sum(q_len x kv_len) of the chunks, not the padded shapes. Rows of
+    single-row sequences are left zero (the last-row path computes them).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_pages.shape[2], k_pages.shape[3]
+    pages_per_block = kv_block // page_size
+    q_lens = md.cu_q_lens[1:] - md.cu_q_lens[:-1]
+    tiles_per_seq = jnp.where(q_lens > 1, -(-q_lens // q_block), 0)
     cu_tiles = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(tiles_per_seq)])  # [S + 1]
-    num_tiles = min(-(-num_tokens // q_block) + num_seqs, num_tokens)
-    tile = jnp.arange(num_tiles)
-    seq = jnp.clip(jnp.searchsorted(cu_tiles, tile, side="right") - 1, 0, num_seqs - 1)  # [NT]
-    first_row = cu_q_lens[seq] + (tile - cu_tiles[seq]) * q_block
-    rows = first_row[:, None] + jnp.arange(q_block)[None, :]  # [NT, q_block]
-    valid = (tile < cu_tiles[-1])[:, None] & (rows < cu_q_lens[seq + 1][:, None])
-    positions = kv_lens[seq][:, None] - q_lens[seq][:, None] + (rows - cu_q_lens[seq][:, None])
-    rows = jnp.where(valid, rows, num_tokens)
-    return seq, rows, positions, valid
+    q_pad = jnp.pad(q.astype(jnp.float32) * scale, ((0, q_block), (0, 0), (0, 0)))  # slices never clamp
+    tables = jnp.pad(md.block_tables, ((0, 0), (0, pages_per_block)))
+    group = num_heads // num_kv_heads
+
+    def tile(i, out):
+        seq = jnp.searchsorted(cu_tiles, i, side="right") - 1
+        first_row = md.cu_q_lens[seq] + (i - cu_tiles[seq]) * q_block
+        num_rows = jnp.minimum(q_block, md.cu_q_lens[seq + 1] - first_row)
+        first_pos = md.kv_lens[seq] - q_lens[seq] + (first_row - md.cu_q_lens[seq])
+        q_pos = first_pos + jnp.arange(q_block)  # [Bq]
+        first_block, num_blocks = _key_range(first_pos, first_pos + num_rows - 1, md.kv_lens[seq],
+                                             sliding_window, kv_block)
+        q_tile = jax.lax.dynamic_slice_in_dim(q_pad, first_row, q_block).reshape(q_block, num_kv_heads, group,
+                                                                                  head_dim)
+        table = tables[seq]
+
+        def key_block(j, carry):
+            block = first_block + j
+            page_ids = jax.lax.dynamic_slice_in_dim(table, block * pages_per_block, pages_per_block)
+            k = _gather_pages(k_pages, layer, page_ids)  # [Bk, KVH, D]
+            v = _gather_pages(v_pages, layer, page_ids)
+            s = jnp.einsum("qhgd,khd->hgqk", q_tile, k)  # [KVH, G, Bq, Bk]
+            if soft_cap:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            key_pos = block * kv_block + jnp.arange(kv_block)
+            mask = key_pos[None, :] <= q_pos[:, None]
+            mask &= (sliding_window <= 0) | (key_pos[None, :] > q_pos[:, None] - sliding_window)
+            return _online_softmax_step(carry, s, mask, v, "hgqk,khd->hgqd")
+
+        shape = (num_kv_heads, group, q_block)
+        init = (jnp.full(shape, NEG_INF), jnp.zeros(shape), jnp.zeros(shape + (head_dim,)))
+        _, l, acc = jax.lax.fori_loop(0, num_blocks, key_block, init)
+        result = (acc / jnp.where(l > 0, l, 1.0)[..., None]).transpose(2, 0, 1, 3).reshape(q_block, num_heads, head_dim)
+        old = jax.lax.dynamic_slice_in_dim(out, first_row, q_block)
+        keep = (jnp.arange(q_block) < num_rows)[:, None, None]
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, result, old), first_row, 0)
+
+    out = jax.lax.fori_loop(0, cu_tiles[-1], tile, jnp.zeros((num_tokens + q_block, num_heads, head_dim)))
+    return out[:num_tokens]
 
 
 def ragged_paged_attention(
@@ -76,58 +178,26 @@ def ragged_paged_attention(
     soft_cap: float = 0.0,
     q_block: int = 16,
     kv_block: int = 128,
+    decode_only: bool = False,
 ):
     """Causal attention of each query row over its sequence's paged keys; returns [T, H, D].
 
-    Flash-attention style: query tiles x a loop over key blocks with an online softmax, so memory is
-    O(tile x kv_block) and work follows the longest sequence actually present (the loop's trip count
-    is traced, not a shape), with no key-length buckets.
+    Two flash-attention passes with an online softmax: the last row of every sequence, vectorized
+    over sequences (all a decode row needs), and the tiles of multi-row chunks, looped over only the
+    tiles and key blocks that exist. decode_only (every sequence has at most one row) skips the
+    second. Memory is O(tile x kv_block); there are no key-length buckets.
     """
-    num_tokens, num_heads, head_dim = q.shape
-    page_size, num_kv_heads = k_pages.shape[2], k_pages.shape[3]
-    group = num_heads // num_kv_heads
-    q_block = min(q_block, num_tokens)
-    seq, rows, q_pos, valid = _query_tiles(md.cu_q_lens, md.kv_lens, num_tokens, q_block)
-    num_tiles = seq.shape[0]
-    kv_len = md.kv_lens[seq]  # [NT]
-
-    q_tiles = q.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32) * scale
-    q_tiles = q_tiles.reshape(num_tiles, q_block, num_kv_heads, group, head_dim)
-
-    # Key range each tile needs: causal end, sliding-window start.
-    last_pos = jnp.max(jnp.where(valid, q_pos, -1), axis=1)  # [NT]
-    first_pos = jnp.min(jnp.where(valid, q_pos, jnp.iinfo(jnp.int32).max), axis=1)
-    key_end = jnp.minimum(last_pos + 1, kv_len)
-    key_start = jnp.where(sliding_window > 0, jnp.maximum(first_pos - sliding_window + 1, 0), 0)
-    key_start = jnp.where(key_end > 0, key_start, 0)
-    first_block = key_start // kv_block
-    num_blocks = jnp.maximum(-(-key_end // kv_block) - first_block, 0)  # [NT]
-
-    def body(j, carry):
-        m, l, acc = carry
-        key_pos = (first_block + j)[:, None] * kv_block + jnp.arange(kv_block)[None, :]  # [NT, Bk]
-        page_idx = jnp.clip(key_pos // page_size, 0, md.block_tables.shape[1] - 1)
-        page = jnp.take_along_axis(md.block_tables[seq], page_idx, axis=1)
-        k = k_pages[layer, page, key_pos % page_size].astype(jnp.float32)  # [NT, Bk, KVH, D]
-        v = v_pages[layer, page, key_pos % page_size].astype(jnp.float32)
-        s = jnp.einsum("tqhgd,tkhd->thgqk", q_tiles, k)  # [NT, KVH, G, q_block, Bk]
-        if soft_cap:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        mask = (key_pos[:, None, :] <= q_pos[:, :, None]) & (key_pos < kv_len[:, None])[:, None, :]
-        mask &= (sliding_window <= 0) | (key_pos[:, None, :] > q_pos[:, :, None] - sliding_window)
-        mask &= valid[:, :, None]
-        s = jnp.where(mask[:, None, None], s, NEG_INF)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.where(mask[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        l = l * alpha + p.sum(axis=-1)
-        acc = acc * alpha[..., None] + jnp.einsum("thgqk,tkhd->thgqd", p, v)
-        return m_new, l, acc
-
-    shape = (num_tiles, num_kv_heads, group, q_block)
-    init = (jnp.full(shape, NEG_INF), jnp.zeros(shape), jnp.zeros(shape + (head_dim,)))
-    _, l, acc = jax.lax.fori_loop(0, jnp.max(num_blocks), body, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [NT, KVH, G, q_block, D]
-    out = out.transpose(0, 3, 1, 2, 4).reshape(num_tiles * q_block, num_heads, head_dim)
-    result = jnp.zeros((num_tokens, num_heads, head_dim), q.dtype)
-    return result.at[rows.reshape(-1)].set(out.astype(q.dtype), mode="drop")
+    num_tokens = q.shape[0]
+    page_size = k_pages.shape[2]
+    kv_block = -(-kv_block // page_size) * page_size  # whole pages
+    kwargs = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, kv_block=kv_block)
+    last = _last_row_attention(q, k_pages, v_pages, layer, md, **kwargs)  # [S, H, D]
+    # Scatter each sequence's last row into place; padded sequences (q_len 0) are dropped.
+    q_lens = md.cu_q_lens[1:] - md.cu_q_lens[:-1]
+    rows = jnp.where(q_lens > 0, md.cu_q_lens[1:] - 1, num_tokens)
+    if decode_only:
+        out = jnp.zeros(q.shape, jnp.float32)
+    else:
+        out = _chunk_attention(q, k_pages, v_pages, layer, md, q_block=min(q_block, num_tokens), **kwargs)
+        rows = jnp.where(q_lens == 1, rows, num_tokens)  # chunks' last rows come from the chunk pass
+    return out.at[rows].set(last, mode="drop").astype(q.dtype)

@@ -104,7 +104,7 @@ def paged_attention(
     assert backend in RESOLVED_BACKENDS, f"resolve {backend=} first"
     if backend == "xla":
         return ragged_paged_attention(q, k_pages, v_pages, layer, md, scale=scale, sliding_window=sliding_window,
-                                      soft_cap=soft_cap, q_block=q_block, kv_block=kv_block)
+                                      soft_cap=soft_cap, q_block=q_block, kv_block=kv_block, decode_only=decode_only)
     from pallas_kernels import decode_attention, ragged_paged_attention as pallas_ragged
 
     kernel = decode_attention if decode_only else pallas_ragged
