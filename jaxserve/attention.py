@@ -72,42 +72,58 @@ def _online_softmax_step(carry, s, mask, v, out_spec: str):
     return m_new, l * alpha + p.sum(axis=-1), acc * alpha[..., None] + jnp.einsum(out_spec, p, v)
 
 
-def _last_row_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *, scale, sliding_window, soft_cap,
-                        kv_block: int):
-    """Attention of each sequence's last query row (all of a decode row): [S, H, D], vectorized over S.
+def _decode_row_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *, scale, sliding_window, soft_cap,
+                          kv_block: int, group_size: int = 8):
+    """Attention of the rows of single-row sequences (decode rows): [S, H, D], zero for other sequences.
 
-    The loop over key blocks runs as far as the longest sequence needs; the rows are independent, so
-    this is the decode path of every step.
+    Decode rows are compacted to the front and taken `group_size` at a time, in a loop whose trip count
+    is the number of groups present (padding sequences and prompt chunks cost nothing here); inside a
+    group the rows are vectorized over a loop on key blocks as long as the group's longest sequence.
     """
     num_seqs = md.kv_lens.shape[0]
     num_tokens, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_pages.shape[2], k_pages.shape[3]
     pages_per_block = kv_block // page_size
-    q_lens = md.cu_q_lens[1:] - md.cu_q_lens[:-1]
-    rows = jnp.clip(md.cu_q_lens[1:] - 1, 0, num_tokens - 1)
-    q_rows = (q[rows].astype(jnp.float32) * scale).reshape(num_seqs, num_kv_heads, -1, head_dim)  # [S, KVH, G, D]
-    pos = md.kv_lens - 1  # [S]
-    first_block, num_blocks = _key_range(pos, jnp.where(q_lens > 0, pos, -1), md.kv_lens, sliding_window, kv_block)
-    tables = jnp.pad(md.block_tables, ((0, 0), (0, pages_per_block)))  # reads past the end hit page 0
+    group_size = min(group_size, num_seqs)
+    is_row = (md.cu_q_lens[1:] - md.cu_q_lens[:-1]) == 1  # [S]
+    order = jnp.argsort(~is_row, stable=True)  # decode rows first
+    num_groups = -(-jnp.sum(is_row) // group_size)
+    order = jnp.pad(order, (0, -num_seqs % group_size), constant_values=num_seqs)
+    tables = jnp.pad(md.block_tables, ((0, 1), (0, pages_per_block)))  # row S and reads past the end: page 0
+    kv_lens = jnp.pad(md.kv_lens, (0, 1))
+    rows = jnp.pad(jnp.clip(md.cu_q_lens[1:] - 1, 0, num_tokens - 1), (0, 1))
+    is_row = jnp.pad(is_row, (0, 1))
+    group = num_heads // num_kv_heads
 
-    def body(j, carry):
-        block = first_block + j  # [S]
-        page_idx = block[:, None] * pages_per_block + jnp.arange(pages_per_block)[None, :]
-        page_ids = jnp.take_along_axis(tables, jnp.minimum(page_idx, tables.shape[1] - 1), axis=1)
-        k = _gather_pages(k_pages, layer, page_ids)  # [S, Bk, KVH, D]
-        v = _gather_pages(v_pages, layer, page_ids)
-        s = jnp.einsum("shgd,skhd->shgk", q_rows, k)  # [S, KVH, G, Bk]
-        if soft_cap:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        key_pos = block[:, None] * kv_block + jnp.arange(kv_block)[None, :]  # [S, Bk]
-        mask = (key_pos <= pos[:, None]) & (j < num_blocks)[:, None]
-        mask &= (sliding_window <= 0) | (key_pos > pos[:, None] - sliding_window)
-        return _online_softmax_step(carry, s, mask[:, None, None, :], v, "shgk,skhd->shgd")
+    def one_group(g, out):
+        seqs = jax.lax.dynamic_slice_in_dim(order, g * group_size, group_size)  # [Gs]; S = padding
+        seqs = jnp.where(is_row[seqs], seqs, num_seqs)
+        q_rows = (q[rows[seqs]].astype(jnp.float32) * scale).reshape(group_size, num_kv_heads, group, head_dim)
+        pos = kv_lens[seqs] - 1  # [Gs]
+        first_block, num_blocks = _key_range(pos, pos, kv_lens[seqs], sliding_window, kv_block)
+        group_tables = tables[seqs]
 
-    shape = (num_seqs, num_kv_heads, num_heads // num_kv_heads)
-    init = (jnp.full(shape, NEG_INF), jnp.zeros(shape), jnp.zeros(shape + (head_dim,)))
-    _, l, acc = jax.lax.fori_loop(0, jnp.max(num_blocks), body, init)
-    return (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(num_seqs, num_heads, head_dim)
+        def body(j, carry):
+            block = first_block + j  # [Gs]
+            page_idx = block[:, None] * pages_per_block + jnp.arange(pages_per_block)[None, :]
+            page_ids = jnp.take_along_axis(group_tables, jnp.minimum(page_idx, tables.shape[1] - 1), axis=1)
+            k = _gather_pages(k_pages, layer, page_ids)  # [Gs, Bk, KVH, D]
+            v = _gather_pages(v_pages, layer, page_ids)
+            s = jnp.einsum("shgd,skhd->shgk", q_rows, k)  # [Gs, KVH, G, Bk]
+            if soft_cap:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            key_pos = block[:, None] * kv_block + jnp.arange(kv_block)[None, :]  # [Gs, Bk]
+            mask = (key_pos <= pos[:, None]) & (j < num_blocks)[:, None]
+            mask &= (sliding_window <= 0) | (key_pos > pos[:, None] - sliding_window)
+            return _online_softmax_step(carry, s, mask[:, None, None, :], v, "shgk,skhd->shgd")
+
+        shape = (group_size, num_kv_heads, group)
+        init = (jnp.full(shape, NEG_INF), jnp.zeros(shape), jnp.zeros(shape + (head_dim,)))
+        _, l, acc = jax.lax.fori_loop(0, jnp.max(num_blocks), body, init)
+        result = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(group_size, num_heads, head_dim)
+        return out.at[seqs].set(result, mode="drop")
+
+    return jax.lax.fori_loop(0, num_groups, one_group, jnp.zeros((num_seqs, num_heads, head_dim)))
 
 
 def _chunk_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *, scale, sliding_window, soft_cap,
@@ -182,8 +198,8 @@ def ragged_paged_attention(
 ):
     """Causal attention of each query row over its sequence's paged keys; returns [T, H, D].
 
-    Two flash-attention passes with an online softmax: the last row of every sequence, vectorized
-    over sequences (all a decode row needs), and the tiles of multi-row chunks, looped over only the
+    Two flash-attention passes with an online softmax: decode rows (single-row sequences), vectorized
+    a group of sequences at a time, and the tiles of multi-row chunks; both loop over only the groups,
     tiles and key blocks that exist. decode_only (every sequence has at most one row) skips the
     second. Memory is O(tile x kv_block); there are no key-length buckets.
     """
@@ -191,13 +207,11 @@ def ragged_paged_attention(
     page_size = k_pages.shape[2]
     kv_block = -(-kv_block // page_size) * page_size  # whole pages
     kwargs = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, kv_block=kv_block)
-    last = _last_row_attention(q, k_pages, v_pages, layer, md, **kwargs)  # [S, H, D]
-    # Scatter each sequence's last row into place; padded sequences (q_len 0) are dropped.
-    q_lens = md.cu_q_lens[1:] - md.cu_q_lens[:-1]
-    rows = jnp.where(q_lens > 0, md.cu_q_lens[1:] - 1, num_tokens)
+    decode_rows = _decode_row_attention(q, k_pages, v_pages, layer, md, **kwargs)  # [S, H, D]
     if decode_only:
         out = jnp.zeros(q.shape, jnp.float32)
     else:
         out = _chunk_attention(q, k_pages, v_pages, layer, md, q_block=min(q_block, num_tokens), **kwargs)
-        rows = jnp.where(q_lens == 1, rows, num_tokens)  # chunks' last rows come from the chunk pass
-    return out.at[rows].set(last, mode="drop").astype(q.dtype)
+    q_lens = md.cu_q_lens[1:] - md.cu_q_lens[:-1]
+    rows = jnp.where(q_lens == 1, md.cu_q_lens[1:] - 1, num_tokens)  # other sequences' rows are dropped
+    return out.at[rows].set(decode_rows, mode="drop").astype(q.dtype)
