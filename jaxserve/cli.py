@@ -29,6 +29,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser, positional_model: bool = 
     parser.add_argument("--kv-cache-memory-gib", type=float, default=defaults.kv_cache_memory_bytes / 2**30,
                         help="memory for the KV page pool (ignored with --num-kv-pages)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--no-mixed-batches", dest="mixed_batches", action="store_false",
+                        help="never put prompt chunks and decode rows in one step (to measure what mixing buys)")
     parser.add_argument("--attention-backend", default=defaults.attention_backend, choices=ATTENTION_BACKENDS,
                         help="auto: Pallas kernels on a Hopper GPU when the model fits them, else XLA")
 
@@ -42,6 +44,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_memory_bytes=int(args.kv_cache_memory_gib * 2**30),
         seed=args.seed,
         attention_backend=args.attention_backend,
+        mixed_batches=args.mixed_batches,
     )
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len

@@ -38,6 +38,23 @@ def _listener(event: str, duration_secs: float, **kwargs) -> None:
 
 jax.monitoring.register_event_duration_secs_listener(_listener)
 
+_cache_hits = 0
+
+
+def _cache_listener(event: str, **kwargs) -> None:
+    global _cache_hits
+    if event == "/jax/compilation_cache/cache_hits":
+        with _lock:
+            _cache_hits += 1
+
+
+jax.monitoring.register_event_listener(_cache_listener)
+
+
+def num_cache_hits() -> int:
+    """Executables loaded from the persistent compilation cache instead of compiled."""
+    return _cache_hits
+
 
 def num_compilations() -> int:
     """Executables built in this process so far."""

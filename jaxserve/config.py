@@ -211,6 +211,9 @@ class EngineConfig:
     dtype: str = "float32"
     seed: int = 0
     enable_prefix_caching: bool = True
+    # False: a step holds either prompt chunks or decode rows, prompts first (vLLM V0's policy); only
+    # for measuring what mixing them buys (decode rows ride along with the prompts' weight reads).
+    mixed_batches: bool = True
     # Debug: any XLA compilation after warm-up raises (tests run with it on).
     forbid_compilation_after_warmup: bool = False
     min_prefill_bucket: int = 16

@@ -68,9 +68,9 @@ class LLM:
         self.warmup_summary = None
         if warmup:
             self.warmup_summary = summary = self.engine.warmup()
-            print(f"jaxserve: {summary['num_executables']} executables ready in {summary['seconds']:.1f} s "
-                  f"(prefill token buckets {summary['prefill_buckets']}, decode batch buckets "
-                  f"{summary['decode_buckets']})", file=sys.stderr)
+            print(f"jaxserve: {summary['num_executables']} executables ready in {summary['seconds']:.1f} s, "
+                  f"{summary['num_cache_hits']} from the compilation cache (prefill token buckets "
+                  f"{summary['prefill_buckets']}, decode batch buckets {summary['decode_buckets']})", file=sys.stderr)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

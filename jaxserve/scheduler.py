@@ -32,6 +32,12 @@ class SchedulerOutput:
         return sum(n for _, n in self.scheduled)
 
 
+def _needs_prefill(request: Request) -> bool:
+    """More than a decode row: prompt tokens left, or several tokens to recompute after preemption."""
+    return (request.num_tokens - request.num_computed_tokens > 1
+            or request.num_computed_tokens < len(request.prompt_token_ids))
+
+
 def _waiting_key(request: Request) -> tuple[int, int]:
     return request.priority, request.arrival_index
 
@@ -58,16 +64,30 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.cfg.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
-        preempted: list[Request] = []
         # Higher priority first (stable, so equal priorities keep admission order): the victims
         # taken from the tail are then the lowest-priority, most recently admitted requests.
         self.running.sort(key=lambda r: r.priority)
+        if self.cfg.mixed_batches:
+            return self._schedule(None)
+        # Unmixed steps: a prompt step whenever a prompt is pending, else (or if none fits) decodes.
+        prompt_step = any(map(_needs_prefill, self.running)) or (
+            bool(self.waiting) and len(self.running) < self.cfg.max_num_seqs)
+        output = self._schedule(prompt_step)
+        if prompt_step and not output.scheduled and not output.preempted:
+            output = self._schedule(False)
+        return output
 
+    def _schedule(self, prompt_step: bool | None) -> SchedulerOutput:
+        """prompt_step None: mixed; True: only prompt chunks (and admissions); False: only decode rows."""
+        budget = self.cfg.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if prompt_step is not None and _needs_prefill(request) != prompt_step:
+                i += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, request.request_id
             while not self.pool.grow(request.block_table, request.num_computed_tokens + num_new):
@@ -86,7 +106,8 @@ class Scheduler:
                 continue
             break
 
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not preempted:
+        while (self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not preempted
+               and prompt_step is not False):
             request = self.waiting[0]
             if not self._admit(request, budget):
                 break

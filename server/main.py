@@ -25,6 +25,7 @@ def serve(args: argparse.Namespace) -> None:
 
     start = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, **_engine_kwargs(args))
+    warmup = llm.warmup_summary
     engine_loop = EngineLoop(llm.engine).start()
     name = args.served_model_name or (os.path.basename(str(args.model).rstrip("/")) if args.model
                                       else "SmolLM2-135M-Instruct")
@@ -33,7 +34,11 @@ def serve(args: argparse.Namespace) -> None:
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
-        print(f"jaxserve: ready in {time.perf_counter() - start:.1f} s; serving {name!r} at "
+        total = time.perf_counter() - start
+        cache = "warm" if warmup["num_cache_hits"] == warmup["num_executables"] else (
+            "cold" if warmup["num_cache_hits"] == 0 else "partly warm")
+        print(f"jaxserve: ready in {total:.1f} s (warm-up {warmup['seconds']:.1f} s with the compilation cache "
+              f"{cache}, loading and the rest {total - warmup['seconds']:.1f} s); serving {name!r} at "
               f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
         yield
         engine_loop.shutdown()

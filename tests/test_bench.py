@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -208,3 +209,10 @@ def jax_leaves(params):
     import jax
 
     return [np.asarray(leaf) for leaf in jax.tree.leaves(params)]
+
+
+def test_server_prints_its_start_up_time_and_cache_state(server):
+    """`jaxserve serve` says how long it took to be ready and whether the compile cache was warm."""
+    tail = server.stderr_tail()
+    assert re.search(r"ready in \d+\.\d s \(warm-up \d+\.\d s with the compilation cache (warm|cold|partly warm)", tail), tail
+    assert re.search(r"\d+ executables ready in [\d.]+ s, \d+ from the compilation cache", tail), tail

@@ -373,3 +373,20 @@ def test_kv_budget_too_small_is_refused(model_dir):
     with pytest.raises(ValueError, match="at least 2"):
         LLM(model_dir, kv_cache_memory_bytes=1000, **kwargs)
     LLM(model_dir, num_kv_pages=9, **kwargs)  # exactly 64 tokens: accepted
+
+
+def test_unmixed_steps_hold_one_kind_and_give_the_same_tokens(model_dir, reference):
+    """mixed_batches=False (the A/B switch for the benchmark) never puts prompt chunks beside decode
+    rows, and greedy tokens do not depend on it."""
+    llm = LLM(model_dir, **AMPLE, mixed_batches=False)
+    engine = llm.engine
+    requests = [engine.add_request(p["prompt_token_ids"], GREEDY) for p in _mixed_prompts()]
+    kinds = []
+    while engine.has_unfinished:
+        engine.step()
+        rows = [n == 1 and r.num_computed_tokens - n >= len(r.prompt_token_ids)
+                for r, n in engine.last_schedule.scheduled]
+        assert all(rows) or not any(rows), engine.last_schedule.scheduled
+        kinds.append(all(rows))
+    assert True in kinds and False in kinds
+    assert [r.output_token_ids for r in requests] == reference

