@@ -95,11 +95,11 @@ def server(name: str, cmd: list[str], port: int, log_path: Path, env: dict | Non
                 proc.kill()
 
 
-def bench(label: str, port: int, concurrency: int, num_prompts: int, args, out: Path) -> dict:
+def bench(label: str, port: int, concurrency: int, num_prompts: int, seed: int, args, out: Path) -> dict:
     run([sys.executable, "-m", "jaxserve.cli", "bench", "serve", "--port", str(port), "--label", label,
          "--tokenizer", str(args.hf_dir), "--num-prompts", str(num_prompts), "--input-len", str(args.input_len),
          "--output-len", str(args.output_len), "--ignore-eos", "--max-concurrency", str(concurrency),
-         "--num-warmups", str(min(concurrency, 4)), "--seed", str(args.seed), "--out", str(out), "--no-progress"],
+         "--num-warmups", str(min(concurrency, 4)), "--seed", str(seed), "--out", str(out), "--no-progress"],
         stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())["runs"][0]
 
@@ -154,8 +154,11 @@ def main() -> None:
         for round_no in range(args.rounds):
             for concurrency in args.concurrency:
                 num_prompts = max(6, args.prompts_per_concurrency * concurrency)
+                # Fresh prompts for every (round, concurrency), the same for both engines: no run may
+                # find its prompts in a prefix cache filled by an earlier one.
+                seed = args.seed + 1000 * (round_no + 1) + concurrency
                 for name, port in engines.items():
-                    summary = bench(name, port, concurrency, num_prompts, args,
+                    summary = bench(name, port, concurrency, num_prompts, seed, args,
                                     raw / f"{name}-c{concurrency}-r{round_no}.json")
                     runs[name][concurrency].append(summary)
                     log(f"round {round_no + 1}/{args.rounds} {name} concurrency {concurrency}: "
@@ -215,7 +218,7 @@ def check_vllm_client(vllm_python: Path, args, jaxserve_runs: dict[int, list[dic
          "--base-url", "http://127.0.0.1:8200", "--endpoint", "/v1/completions", "--model", "SmolLM2-135M-Instruct",
          "--tokenizer", str(args.hf_dir), "--dataset-name", "random", "--random-input-len", str(args.input_len),
          "--random-output-len", str(args.output_len), "--num-prompts", str(num_prompts), "--ignore-eos",
-         "--max-concurrency", str(concurrency), "--save-result", "--result-dir", str(result_dir),
+         "--max-concurrency", str(concurrency), "--seed", str(args.seed + 7), "--save-result", "--result-dir", str(result_dir),
          "--result-filename", "vllm-client-on-jaxserve.json"], env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
         stdout=subprocess.DEVNULL)
     theirs = json.loads((result_dir / "vllm-client-on-jaxserve.json").read_text())["output_throughput"]

@@ -80,7 +80,8 @@ async def send_request(client, url: str, body: dict, request: BenchRequest) -> R
 
 async def run_once(base_url: str, endpoint: str, model: str, requests: list[BenchRequest], *,
                    max_concurrency: int | None, request_rate: float, ignore_eos: bool, seed: int,
-                   num_warmups: int = 0, api_key: str | None = None, progress: bool = True) -> tuple[list, float]:
+                   warmups: list[BenchRequest] = (), api_key: str | None = None,
+                   progress: bool = True) -> tuple[list, float]:
     """Sends every request; returns (results in dataset order, wall seconds from first send to last answer)."""
     import httpx
 
@@ -94,8 +95,8 @@ async def run_once(base_url: str, endpoint: str, model: str, requests: list[Benc
             async with semaphore:
                 return await send_request(client, url, _payload(endpoint, model, request, ignore_eos), request)
 
-        if num_warmups:
-            warm = await asyncio.gather(*(limited(requests[i % len(requests)]) for i in range(num_warmups)))
+        if warmups:
+            warm = await asyncio.gather(*map(limited, warmups))
             if not any(r.success for r in warm):
                 raise RuntimeError(f"every warm-up request failed; the first: {warm[0].error}")
 
@@ -133,13 +134,18 @@ def served_model(base_url: str, api_key: str | None) -> str:
         raise ValueError(f"cannot read the served model from {base_url}/v1/models ({e}); pass --model") from None
 
 
-def build_requests(args: argparse.Namespace) -> list[BenchRequest]:
+def build_requests(args: argparse.Namespace) -> tuple[list[BenchRequest], list[BenchRequest]]:
+    """(timed requests, warm-up requests). Random warm-ups are other prompts than the timed ones, so a
+    server's prefix cache cannot serve a timed prompt from the warm-up."""
     from jaxserve.weights import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer)
     if args.dataset_path:
-        return jsonl_requests(args.dataset_path, tokenizer, args.num_prompts, args.output_len)
-    return random_requests(tokenizer, args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed)
+        requests = jsonl_requests(args.dataset_path, tokenizer, args.num_prompts, args.output_len)
+        return requests, [requests[i % len(requests)] for i in range(args.num_warmups)]
+    requests = random_requests(tokenizer, args.num_prompts + args.num_warmups, args.input_len, args.output_len,
+                               args.range_ratio, args.seed)
+    return requests[:args.num_prompts], requests[args.num_prompts:]
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -151,14 +157,14 @@ def run(args: argparse.Namespace) -> dict:
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     model = args.model or served_model(base_url, api_key)
-    requests = build_requests(args)
+    requests, warmups = build_requests(args)
     concurrencies = args.sweep or [args.max_concurrency]
     summaries = []
     for concurrency in concurrencies:
         results, duration = asyncio.run(run_once(
             base_url, args.endpoint, model, requests, max_concurrency=concurrency,
             request_rate=args.request_rate, ignore_eos=args.ignore_eos, seed=args.seed,
-            num_warmups=args.num_warmups, api_key=api_key, progress=not args.no_progress))
+            warmups=warmups, api_key=api_key, progress=not args.no_progress))
         summary = summarize(results, duration) | {"max_concurrency": concurrency, "request_rate": args.request_rate}
         summaries.append(summary)
         print(format_summary(summary, f"{args.label} at concurrency {concurrency or 'inf'}"), flush=True)
@@ -194,7 +200,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second")
     parser.add_argument("--sweep", type=int, nargs="+", default=None, metavar="CONCURRENCY",
                         help="run once per concurrency and tabulate them")
-    parser.add_argument("--num-warmups", type=int, default=0, help="untimed requests sent first")
+    parser.add_argument("--num-warmups", type=int, default=0,
+                        help="untimed requests sent first (random dataset: prompts other than the timed ones)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --output-len tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--label", default="server", help="the engine's name in tables and plots")
