@@ -203,7 +203,8 @@ def main() -> None:
     plot_sweep(medians, str(args.out_dir / "results.png"),
                f"SmolLM2-135M f32, {args.input_len} in / {args.output_len} out, this machine")
     (args.out_dir / "results.json").write_text(json.dumps(
-        {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine, "limits": limits,
+        {"args": {k: os.path.relpath(v, REPO) if isinstance(v, Path) else str(v) for k, v in vars(args).items()},
+         "machine": machine, "limits": limits,
          "matmul_flops": matmul, "ceiling_output_tok_s": ceiling, "startup_s": startup, "runs": runs,
          "medians": medians, "client_check": client_check}, indent=2))
     log(f"wrote {args.out_dir}/results.md, results.png, results.json")
