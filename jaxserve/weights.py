@@ -194,11 +194,16 @@ def _load_hf_dir(path: Path, dtype: str) -> LoadedModel:
     return LoadedModel(cfg, params, _load_tokenizer(path), str(path))
 
 
-def _load_tokenizer(path: Path, **kwargs):
-    from transformers import AutoTokenizer
+def _load_tokenizer(path: Path, *, fast: bool = False, **kwargs):
+    """AutoTokenizer, or with `fast` the `tokenizers`-backed class directly: for the tokenizers jaxserve
+    saved itself, it skips the config machinery that imports torch when it is installed (~3 s)."""
+    if fast:
+        from transformers import PreTrainedTokenizerFast as tokenizer_class
+    else:
+        from transformers import AutoTokenizer as tokenizer_class
 
     try:
-        return AutoTokenizer.from_pretrained(path, **kwargs)
+        return tokenizer_class.from_pretrained(path, **kwargs)
     except (ValueError, OSError) as e:
         raise ModelLoadError(f"cannot load a tokenizer from {str(path)!r}: {str(e).splitlines()[0]}") from None
 
@@ -260,6 +265,19 @@ def _unpermute_rope_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _load_gguf(path: Path, dtype: str) -> LoadedModel:
+    """Reads a GGUF file, or the converted copy of it that an earlier load left in the model cache."""
+    cached = _converted_cache_dir(path, dtype)
+    converted = _load_converted(cached) if cached is not None else None
+    if converted is not None:
+        cfg, params = converted
+        return LoadedModel(cfg, params, _load_gguf_tokenizer(path), str(path))
+    loaded = _convert_gguf(path, dtype)
+    if cached is not None:
+        _save_converted(loaded, cached)
+    return loaded
+
+
+def _convert_gguf(path: Path, dtype: str) -> LoadedModel:
     import gguf
     from transformers import AutoConfig
 
@@ -318,7 +336,7 @@ def _load_gguf_tokenizer(path: Path):
     cached = cache.expanduser() / key
     if (cached / "tokenizer_config.json").exists():
         try:
-            return _load_tokenizer(cached)
+            return _load_tokenizer(cached, fast=True)
         except ModelLoadError:
             pass  # a damaged cache entry: rebuild it below
     tokenizer = _load_tokenizer(path.parent, gguf_file=path.name)
@@ -329,6 +347,82 @@ def _load_gguf_tokenizer(path: Path):
     except OSError:
         pass  # caching is an optimization; a read-only home must not stop loading
     return tokenizer
+
+
+# ----------------------------------------------------------------------------------------------
+# The model cache: a GGUF file converted once (config as JSON, params as safetensors), so that later
+# starts skip parsing the GGUF metadata, building a transformers config and dequantizing (~15 s -> ~1 s).
+
+_CONVERTED_FORMAT = 1  # bump when the params layout or the conversion changes
+
+
+def _converted_cache_dir(path: Path, dtype: str) -> Path | None:
+    """Where the converted copy of `path` lives; None when JAXSERVE_MODEL_CACHE=off."""
+    setting = os.environ.get("JAXSERVE_MODEL_CACHE", "")
+    if setting.lower() in ("off", "0", "false", "none"):
+        return None
+    stat = path.stat()
+    key = f"{_CONVERTED_FORMAT}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}"
+    root = Path(setting or Path.home() / ".cache" / "jaxserve" / "models").expanduser()
+    return root / f"{path.stem}-{dtype}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _load_converted(cached: Path) -> tuple[ModelConfig, dict] | None:
+    """The cached config and params, or None when there is no complete, readable entry."""
+    from safetensors import SafetensorError
+    from safetensors.flax import load_file
+
+    if not (cached / CHECKPOINT_MARKER).exists():
+        return None
+    try:
+        cfg = _config_from_dict(json.loads((cached / CHECKPOINT_MARKER).read_text())["config"])
+        flat = load_file(cached / "params.safetensors")
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError):
+        return None  # damaged: convert again and overwrite it
+    params: dict = {}
+    for name, array in flat.items():
+        *parents, leaf = name.split("/")
+        node = params
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = array
+    return cfg, params
+
+
+def _save_converted(loaded: LoadedModel, cached: Path) -> None:
+    from safetensors.flax import save_file
+
+    flat = {}
+
+    def walk(tree: dict, prefix: str) -> None:
+        for name, value in tree.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{name}/")
+            else:
+                flat[prefix + name] = value
+
+    walk(loaded.params, "")
+    tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        save_file(flat, tmp / "params.safetensors")
+        meta = {"config": dataclasses.asdict(loaded.config), "source": loaded.source}
+        (tmp / CHECKPOINT_MARKER).write_text(json.dumps(meta, indent=2))
+        if cached.exists():
+            shutil.rmtree(cached)
+        os.replace(tmp, cached)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # caching is an optimization; a full disk must not stop loading
+
+
+def _config_from_dict(fields: dict) -> ModelConfig:
+    fields = dict(fields)
+    fields["rope"] = RopeConfig(**fields["rope"])
+    if fields.get("local_rope"):
+        fields["local_rope"] = RopeConfig(**fields["local_rope"])
+    for key in ("sliding_layers", "eos_token_ids"):
+        fields[key] = tuple(fields[key])
+    return ModelConfig(**fields)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -355,13 +449,7 @@ def _load_checkpoint(path: Path, dtype: str) -> LoadedModel:
     import orbax.checkpoint as ocp
 
     meta = json.loads((path / CHECKPOINT_MARKER).read_text())
-    fields = dict(meta["config"])
-    fields["rope"] = RopeConfig(**fields["rope"])
-    if fields.get("local_rope"):
-        fields["local_rope"] = RopeConfig(**fields["local_rope"])
-    for key in ("sliding_layers", "eos_token_ids"):
-        fields[key] = tuple(fields[key])
-    cfg = ModelConfig(**fields)
+    cfg = _config_from_dict(meta["config"])
     try:
         with ocp.StandardCheckpointer() as checkpointer:
             params = checkpointer.restore(path.resolve() / "params")

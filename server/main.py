@@ -23,7 +23,8 @@ def serve(args: argparse.Namespace) -> None:
     from jaxserve.llm import LLM
     from server.app import create_app
 
-    start = time.perf_counter()
+    started = time.perf_counter() - _process_age()
+    load_start = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, **_engine_kwargs(args))
     warmup = llm.warmup_summary
     engine_loop = EngineLoop(llm.engine).start()
@@ -34,17 +35,31 @@ def serve(args: argparse.Namespace) -> None:
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
-        total = time.perf_counter() - start
+        now = time.perf_counter()
         cache = "warm" if warmup["num_cache_hits"] == warmup["num_executables"] else (
             "cold" if warmup["num_cache_hits"] == 0 else "partly warm")
-        print(f"jaxserve: ready in {total:.1f} s (warm-up {warmup['seconds']:.1f} s with the compilation cache "
-              f"{cache}, loading and the rest {total - warmup['seconds']:.1f} s); serving {name!r} at "
+        print(f"jaxserve: ready {now - started:.1f} s after the process started (imports "
+              f"{load_start - started:.1f} s, model and tokenizer loading {now - load_start - warmup['seconds']:.1f} s, "
+              f"warm-up {warmup['seconds']:.1f} s with the compilation cache {cache}); serving {name!r} at "
               f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
         yield
         engine_loop.shutdown()
 
     app.router.lifespan_context = lifespan
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+
+
+def _process_age() -> float:
+    """Seconds since this process started (from /proc on Linux; 0 elsewhere), so that the ready time
+    includes the Python start-up and imports a user waits through."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:

@@ -214,5 +214,10 @@ def jax_leaves(params):
 def test_server_prints_its_start_up_time_and_cache_state(server):
     """`jaxserve serve` says how long it took to be ready and whether the compile cache was warm."""
     tail = server.stderr_tail()
-    assert re.search(r"ready in \d+\.\d s \(warm-up \d+\.\d s with the compilation cache (warm|cold|partly warm)", tail), tail
+    ready = re.search(r"ready (\d+\.\d) s after the process started \(imports (\d+\.\d) s, model and tokenizer "
+                      r"loading (\d+\.\d) s, warm-up (\d+\.\d) s with the compilation cache (warm|cold|partly warm)\)",
+                      tail)
+    assert ready, tail
+    total, *parts = map(float, ready.groups()[:4])
+    assert all(p > 0 for p in parts) and abs(sum(parts) - total) <= 0.2, ready.group(0)
     assert re.search(r"\d+ executables ready in [\d.]+ s, \d+ from the compilation cache", tail), tail

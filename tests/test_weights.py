@@ -39,10 +39,11 @@ forward_jit = jax.jit(forward, static_argnames=("cfg", "q_block", "kv_block"))
 
 @pytest.fixture(autouse=True)
 def _private_tokenizer_cache(request, monkeypatch, tmp_path_factory):
-    """GGUF tokenizers are cached on disk by file path; keep this module's throwaway files out of the
-    user's cache (the default model keeps using it, as it does outside tests)."""
+    """GGUF tokenizers and converted GGUF models are cached on disk by file path; keep this module's
+    throwaway files out of the user's caches (the default model keeps using it, as it does outside tests)."""
     if "default_model" not in request.keywords:
         monkeypatch.setenv("JAXSERVE_TOKENIZER_CACHE", str(tmp_path_factory.getbasetemp() / "tokenizer_cache"))
+        monkeypatch.setenv("JAXSERVE_MODEL_CACHE", str(tmp_path_factory.getbasetemp() / "model_cache"))
 
 
 def jax_logits(loaded: LoadedModel, token_ids) -> np.ndarray:
@@ -315,6 +316,36 @@ def test_gguf_metadata_gives_the_models_config_and_tokenizer(llama_gguf_files, l
     messages = [{"role": "user", "content": "hi"}]
     assert (loaded.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             == byte_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+
+def test_a_gguf_is_converted_once_and_then_loaded_from_the_model_cache(tmp_path, monkeypatch, llama_256):
+    """The second load of a GGUF reads the cached conversion (no GGUF parsing), gives the same config,
+    params and tokenizer, and a damaged cache entry is converted again rather than failing the load."""
+    monkeypatch.setenv("JAXSERVE_MODEL_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "tiny.gguf", llama_256, "llama", QType.Q8_0)
+    first = load_model(path)
+    (entry,) = (tmp_path / "cache").iterdir()
+    assert sorted(p.name for p in entry.iterdir()) == ["jaxserve_model.json", "params.safetensors"]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", None)  # a cache hit must not touch the GGUF metadata
+        second = load_model(path)
+    assert second.config == first.config and second.source == first.source
+    assert jax.tree.structure(second.params) == jax.tree.structure(first.params)
+    for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert second.tokenizer.encode("Hello") == first.tokenizer.encode("Hello")
+
+    (entry / "params.safetensors").write_bytes(b"damaged")
+    third = load_model(path)
+    np.testing.assert_array_equal(np.asarray(third.params["embed"]), np.asarray(first.params["embed"]))
+    assert (entry / "params.safetensors").stat().st_size > 1000  # rewritten
+
+    monkeypatch.setenv("JAXSERVE_MODEL_CACHE", "off")
+    other = write_gguf(tmp_path / "other.gguf", llama_256, "llama")
+    load_model(other)
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # nothing written with the cache off
 
 
 # ----------------------------------------------------------------------------------------------
