@@ -195,19 +195,30 @@ def ragged_paged_attention(
     q_block: int = 16,
     kv_block: int = 128,
     decode_only: bool = False,
+    cpu_kernel: bool = False,
 ):
     """Causal attention of each query row over its sequence's paged keys; returns [T, H, D].
 
     Two flash-attention passes with an online softmax: decode rows (single-row sequences), vectorized
     a group of sequences at a time, and the tiles of multi-row chunks; both loop over only the groups,
     tiles and key blocks that exist. decode_only (every sequence has at most one row) skips the
-    second. Memory is O(tile x kv_block); there are no key-length buckets.
+    second. Memory is O(tile x kv_block); there are no key-length buckets. cpu_kernel: the decode
+    rows go to the C++ kernel of `cpu_attention.py` instead (XLA:CPU, float32 pages).
     """
     num_tokens = q.shape[0]
     page_size = k_pages.shape[2]
     kv_block = -(-kv_block // page_size) * page_size  # whole pages
     kwargs = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, kv_block=kv_block)
-    decode_rows = _decode_row_attention(q, k_pages, v_pages, layer, md, **kwargs)  # [S, H, D]
+    if cpu_kernel:
+        from jaxserve.cpu_attention import paged_decode_attention
+
+        is_row = (md.cu_q_lens[1:] - md.cu_q_lens[:-1]) == 1
+        last_rows = jnp.clip(md.cu_q_lens[1:] - 1, 0, num_tokens - 1)
+        decode_rows = paged_decode_attention(q[last_rows], k_pages, v_pages, layer, jnp.where(is_row, md.kv_lens, 0),
+                                             md.block_tables, scale=scale, sliding_window=sliding_window,
+                                             soft_cap=soft_cap)
+    else:
+        decode_rows = _decode_row_attention(q, k_pages, v_pages, layer, md, **kwargs)  # [S, H, D]
     if decode_only:
         out = jnp.zeros(q.shape, jnp.float32)
     else:

@@ -1,11 +1,13 @@
 """Which attention implementation runs, decided once at engine start, and the one call that runs it.
 
   xla               `jaxserve.attention.ragged_paged_attention`: pure JAX, any platform, the reference.
+  cpu               the same, with decode rows computed by the C++ kernel of `cpu_attention.py` (XLA:CPU,
+                    float32 KV pages; built with the machine's C++ compiler on first use).
   pallas            `pallas_kernels` (Mosaic GPU, Hopper): the ragged kernel for the prefill entry point,
                     the flash-decoding kernel for the decode entry point.
   pallas-interpret  the same kernels run by JAX's GPU interpreter on the CPU: tests and debugging, slow.
-  auto              pallas on a Hopper GPU when the model's shapes fit the kernels, else xla; the reason
-                    for falling back is logged.
+  auto              pallas on a Hopper GPU when the model's shapes fit the kernels, cpu on a CPU when the
+                    kernel builds and the pages are float32, else xla; the reason for falling back is logged.
 
 An explicit pallas / pallas-interpret that cannot run the model is refused here, with the reason, before
 anything is compiled, so no request ever meets an unsupported shape. The model calls `paged_attention`.
@@ -23,7 +25,7 @@ from jaxserve.config import ATTENTION_BACKENDS, EngineConfig, ModelConfig
 
 logger = logging.getLogger(__name__)
 
-RESOLVED_BACKENDS = ("xla", "pallas", "pallas-interpret")
+RESOLVED_BACKENDS = ("xla", "cpu", "pallas", "pallas-interpret")
 MIN_COMPUTE_CAPABILITY = 9.0  # Mosaic GPU kernels use wgmma and TMA (Hopper and newer)
 
 
@@ -48,6 +50,17 @@ def _local_gpu_error() -> str | None:
     return None
 
 
+def _cpu_kernel_error(engine_cfg: EngineConfig, platform: str) -> str | None:
+    """Why the C++ CPU decode kernel cannot run here, or None if it can (building it if needed)."""
+    if platform != "cpu":
+        return f"it runs on a CPU (this is {platform})"
+    if jnp.dtype(engine_cfg.dtype) != jnp.float32:
+        return f"it reads float32 KV pages (the engine runs {engine_cfg.dtype})"
+    from jaxserve.cpu_attention import kernel_error
+
+    return kernel_error()
+
+
 def resolve_attention_backend(requested: str, model_cfg: ModelConfig, engine_cfg: EngineConfig,
                               platform: str | None = None) -> str:
     """Turns the engine's `attention_backend` into one of RESOLVED_BACKENDS for `platform`.
@@ -60,6 +73,14 @@ def resolve_attention_backend(requested: str, model_cfg: ModelConfig, engine_cfg
     local = platform is None
     platform = jax.default_backend() if local else platform
     if requested == "xla":
+        return "xla"
+    if requested == "cpu" or (requested == "auto" and platform == "cpu"):
+        reason = _cpu_kernel_error(engine_cfg, platform)
+        if not reason:
+            return "cpu"
+        if requested == "cpu":
+            raise ValueError(f"attention_backend='cpu' cannot run this model: {reason}")
+        logger.warning("attention_backend='auto' uses XLA attention: %s", reason)
         return "xla"
     if requested == "auto":
         if platform != "gpu":
@@ -102,9 +123,10 @@ def paged_attention(
     Pallas backends then use the flash-decoding kernel. q_block / kv_block tune the XLA path only.
     """
     assert backend in RESOLVED_BACKENDS, f"resolve {backend=} first"
-    if backend == "xla":
+    if backend in ("xla", "cpu"):
         return ragged_paged_attention(q, k_pages, v_pages, layer, md, scale=scale, sliding_window=sliding_window,
-                                      soft_cap=soft_cap, q_block=q_block, kv_block=kv_block, decode_only=decode_only)
+                                      soft_cap=soft_cap, q_block=q_block, kv_block=kv_block, decode_only=decode_only,
+                                      cpu_kernel=backend == "cpu")
     from pallas_kernels import decode_attention, ragged_paged_attention as pallas_ragged
 
     kernel = decode_attention if decode_only else pallas_ragged

@@ -22,7 +22,7 @@ SUPPORTED_ARCHITECTURES = {
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # See attention_backends.py: auto = Pallas kernels on a Hopper GPU when the model fits them, else XLA.
-ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas-interpret")
+ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas", "pallas-interpret")
 
 
 class ModelLoadError(ValueError):

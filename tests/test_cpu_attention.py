@@ -1,0 +1,110 @@
+"""The C++ paged decode attention for XLA:CPU (`jaxserve/cpu_attention.py`) against the dense reference.
+
+The kernel computes the decode rows (single-row sequences) of `ragged_paged_attention(cpu_kernel=True)`;
+prompt chunks in the same batch stay on XLA's path. Every case mixes both, with padding rows and
+sequences, shuffled pages, and large values in the slots no sequence owns (a read past kv_len, or
+through the wrong page, shows). The backend choice and its fallbacks are checked at the end.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from jaxserve import cpu_attention
+from jaxserve.attention import ragged_paged_attention
+from jaxserve.attention_backends import resolve_attention_backend
+from jaxserve.config import EngineConfig, ModelConfig, RopeConfig
+from test_pallas_attention import LAYER, build_case, decode_lengths, ragged_lengths
+
+pytestmark = pytest.mark.skipif(cpu_attention.kernel_error() is not None,
+                                reason=f"the CPU kernel is unavailable: {cpu_attention.kernel_error()}")
+
+CASES = [  # head_dim, page_size, group (query heads per kv head), sliding window, soft cap
+    (64, 16, 3, 0, 0.0),  # SmolLM2's shape
+    (64, 32, 4, 19, 30.0),  # a window that cuts into a page, and Gemma's soft cap
+    (128, 16, 1, 0, 0.0),  # multi-head attention
+    (32, 8, 2, 5, 0.0),
+]
+
+
+@pytest.mark.parametrize("lengths", ["ragged", "decode"])
+@pytest.mark.parametrize("head_dim,page_size,group,window,soft_cap", CASES)
+def test_cpu_kernel_matches_the_reference(head_dim, page_size, group, window, soft_cap, lengths):
+    lengths = (ragged_lengths if lengths == "ragged" else decode_lengths)(page_size)
+    q, k, v, md, real_tokens = build_case(lengths, page_size=page_size, head_dim=head_dim, group=group,
+                                          dtype="float32", seed=3)
+    kw = dict(scale=head_dim ** -0.5, sliding_window=window, soft_cap=soft_cap)
+    decode_only = all(n <= 1 for n, _ in lengths)
+    attention = jax.jit(functools.partial(ragged_paged_attention, cpu_kernel=True, decode_only=decode_only,
+                                          q_block=8, kv_block=32, **kw))
+    out = np.asarray(attention(q, k, v, LAYER, md))
+    ref = np.asarray(pk.ragged_paged_attention_reference(q, k, v, LAYER, md.cu_q_lens, md.kv_lens, md.block_tables,
+                                                         **kw))
+    np.testing.assert_allclose(out[:real_tokens], ref[:real_tokens], atol=2e-5, rtol=1e-5)
+    assert not np.any(out[real_tokens:]), "padding rows must be zeros"
+    xla = np.asarray(jax.jit(functools.partial(ragged_paged_attention, decode_only=decode_only, q_block=8,
+                                               kv_block=32, **kw))(q, k, v, LAYER, md))
+    np.testing.assert_allclose(out, xla, atol=2e-5, rtol=1e-5)  # the engine's two CPU paths agree too
+
+
+def test_cpu_kernel_reads_the_layer_it_is_given_inside_a_layer_loop():
+    """In the model the kernel runs inside the scan over layers, with a traced layer index: the result
+    for each layer must be that layer's, not layer 0's."""
+    q, k, v, md, real_tokens = build_case(decode_lengths(16), page_size=16, head_dim=64, group=3,
+                                          dtype="float32", seed=5)
+    attend = functools.partial(ragged_paged_attention, scale=0.125, decode_only=True)
+
+    def per_layer(cpu_kernel):
+        def body(layer, acc):
+            return acc.at[layer].set(attend(q, k, v, layer, md, cpu_kernel=cpu_kernel))
+        return jax.jit(lambda: jax.lax.fori_loop(0, k.shape[0], body, np.zeros((k.shape[0], *q.shape), np.float32)))()
+
+    out, ref = np.asarray(per_layer(True)), np.asarray(per_layer(False))
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=1e-5)
+    assert np.abs(out[0, :real_tokens] - out[1, :real_tokens]).max() > 0.1  # the layers differ
+
+
+SMOLLM2_LIKE = ModelConfig(architecture="llama", vocab_size=256, hidden_size=576, intermediate_size=1536,
+                           num_layers=2, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                           rope=RopeConfig(theta=10000.0), max_position_embeddings=2048,
+                           tie_word_embeddings=True)
+
+
+def test_auto_picks_the_cpu_kernel_for_float32_on_a_cpu_and_xla_otherwise(caplog):
+    f32, bf16 = EngineConfig(dtype="float32"), EngineConfig(dtype="bfloat16")
+    assert resolve_attention_backend("auto", SMOLLM2_LIKE, f32, platform="cpu") == "cpu"
+    assert resolve_attention_backend("cpu", SMOLLM2_LIKE, f32, platform="cpu") == "cpu"
+    assert resolve_attention_backend("xla", SMOLLM2_LIKE, f32, platform="cpu") == "xla"
+    with caplog.at_level(logging.WARNING, logger="jaxserve.attention_backends"):
+        assert resolve_attention_backend("auto", SMOLLM2_LIKE, bf16, platform="cpu") == "xla"
+    assert "float32" in caplog.text
+    with pytest.raises(ValueError, match="attention_backend='cpu'.*float32"):
+        resolve_attention_backend("cpu", SMOLLM2_LIKE, bf16, platform="cpu")
+    with pytest.raises(ValueError, match="attention_backend='cpu'.*runs on a CPU"):
+        resolve_attention_backend("cpu", SMOLLM2_LIKE, f32, platform="gpu")
+
+
+def test_without_a_compiler_auto_falls_back_to_xla_and_says_why(monkeypatch, tmp_path, caplog):
+    """No C++ compiler (and nothing built in the cache): `auto` serves with XLA's attention and logs
+    the reason; an explicit 'cpu' is refused with it."""
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
+    cpu_attention.kernel_error.cache_clear()
+    try:
+        assert "no C++ compiler ('no-such-compiler'" in cpu_attention.kernel_error()
+        f32 = EngineConfig(dtype="float32")
+        with caplog.at_level(logging.WARNING, logger="jaxserve.attention_backends"):
+            assert resolve_attention_backend("auto", SMOLLM2_LIKE, f32, platform="cpu") == "xla"
+        assert "no C++ compiler" in caplog.text
+        with pytest.raises(ValueError, match="no C\\+\\+ compiler"):
+            resolve_attention_backend("cpu", SMOLLM2_LIKE, f32, platform="cpu")
+    finally:
+        cpu_attention.kernel_error.cache_clear()
+        monkeypatch.undo()
+        assert cpu_attention.kernel_error() is None  # built or cached again for the tests that follow
