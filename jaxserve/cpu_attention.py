@@ -26,6 +26,7 @@ import numpy as np
 
 SOURCE = Path(__file__).parent / "cpu_kernels" / "paged_decode_attention.cc"
 TARGET = "jaxserve_paged_decode_attention"
+_registered: Path | None = None  # the library whose handler this process registered
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC", "-std=c++17", "-w")
 
 
@@ -52,11 +53,14 @@ def kernel_error() -> str | None:
             tmp.unlink(missing_ok=True)
             return f"building the CPU attention kernel failed: {build.stderr.strip()[-500:]}"
         os.replace(tmp, library)
-    try:
-        handler = ctypes.cdll.LoadLibrary(str(library)).JaxservePagedDecodeAttention
-    except (OSError, AttributeError) as e:
-        return f"cannot load the CPU attention kernel {library}: {e}"
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+    global _registered
+    if _registered is None:  # XLA keeps the first handler registered under TARGET for the process
+        try:
+            handler = ctypes.cdll.LoadLibrary(str(library)).JaxservePagedDecodeAttention
+        except (OSError, AttributeError) as e:
+            return f"cannot load the CPU attention kernel {library}: {e}"
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+        _registered = library
     return None
 
 

@@ -41,7 +41,7 @@ class LLMEngine:
                 f"max_model_len={cfg.max_model_len}: raise num_kv_pages or kv_cache_memory_bytes"
             )
         self.pool = PagePool(self.runner.num_pages, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(cfg, self.pool)
+        self.scheduler = Scheduler(cfg, self.pool, self.runner.prefill_buckets)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(cfg.seed)
         self._lock = threading.Lock()

@@ -32,6 +32,10 @@ class SchedulerOutput:
         return sum(n for _, n in self.scheduled)
 
 
+# Steps smaller than this are not capped: their cost is mostly reading the weights, not the padded rows.
+MIN_CAPPED_BUCKET = 128
+
+
 def _needs_prefill(request: Request) -> bool:
     """More than a decode row: prompt tokens left, or several tokens to recompute after preemption."""
     return (request.num_tokens - request.num_computed_tokens > 1
@@ -43,8 +47,11 @@ def _waiting_key(request: Request) -> tuple[int, int]:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, pool: PagePool):
+    def __init__(self, cfg: EngineConfig, pool: PagePool, prefill_buckets: list[int] | None = None):
+        """prefill_buckets: the token counts prompt steps are padded to (the model runner's); with them,
+        a step that would be mostly padding takes fewer prompt tokens (see `_token_budget`)."""
         self.cfg, self.pool = cfg, pool
+        self.prefill_buckets = sorted(prefill_buckets or [])
         self.waiting: list[Request] = []  # sorted by (priority, arrival_index)
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
@@ -79,7 +86,7 @@ class Scheduler:
 
     def _schedule(self, prompt_step: bool | None) -> SchedulerOutput:
         """prompt_step None: mixed; True: only prompt chunks (and admissions); False: only decode rows."""
-        budget = self.cfg.max_num_batched_tokens
+        budget = self._token_budget(prompt_step)
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
         i = 0
@@ -116,6 +123,26 @@ class Scheduler:
             scheduled.append((request, num_new))
             budget -= num_new
         return SchedulerOutput(scheduled, preempted)
+
+    def _token_budget(self, prompt_step: bool | None) -> int:
+        """max_num_batched_tokens, or the next bucket down when this step's demand would fill less than
+        3/4 of its padded bucket: 7 decode rows beside a 256-token prompt would run a 512-token step
+        for 263 tokens; capped at 256, the last 7 prompt tokens ride along the next step's decode rows.
+        (The demand is estimated before admission: a prefix-cache hit can only make it smaller.)"""
+        budget = self.cfg.max_num_batched_tokens
+        if prompt_step is False or not self.prefill_buckets:
+            return budget
+        running = [r for r in self.running if prompt_step is None or _needs_prefill(r)]
+        admissible = self.waiting[: max(self.cfg.max_num_seqs - len(self.running), 0)]
+        demand = min(budget, sum(r.num_tokens - r.num_computed_tokens for r in running + admissible))
+        padded = bisect.bisect_left(self.prefill_buckets, demand)
+        if padded == 0 or padded == len(self.prefill_buckets):
+            return budget
+        lower, upper = self.prefill_buckets[padded - 1], self.prefill_buckets[padded]
+        num_decode_rows = sum(not _needs_prefill(r) for r in running)
+        if demand * 4 < upper * 3 and lower > num_decode_rows and lower >= MIN_CAPPED_BUCKET:
+            return lower
+        return budget
 
     def _admit(self, request: Request, budget: int) -> bool:
         """Takes cached prefix pages and new pages for the first chunk; False (no change) if out of pages."""

@@ -144,6 +144,31 @@ def test_scheduler_chunks_long_prompts_under_the_token_budget():
     assert chunks[:2] == [31, 31]
 
 
+@pytest.mark.parametrize("buckets", [None, [16, 32, 64, 128, 256, 512]])
+def test_a_step_that_would_be_mostly_padding_takes_a_smaller_prompt_chunk(buckets):
+    """7 decode rows beside a new 256-token prompt would fill a 512-token bucket to 51%: with the
+    runner's buckets the scheduler caps the step at 256 and the last 7 prompt tokens join the next
+    step's decode rows (14 tokens, a 16 bucket); without buckets it takes all 263 at once."""
+    cfg = EngineConfig(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=512, block_size=16)
+    scheduler = Scheduler(cfg, PagePool(128, 16), prefill_buckets=buckets)
+    decoders = [_request(f"d{i}", 10, max_tokens=50, first_token=10 * i) for i in range(7)]
+    for request in decoders:
+        scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert out.num_tokens == 70  # a 128 bucket, 55% full, but small steps are not capped (weight reads dominate)
+    scheduler.update_from_output(out, [1] * 7)
+    prompt = _request("p", 256, max_tokens=4, first_token=300)
+    scheduler.add_request(prompt)
+    out = scheduler.schedule()
+    sizes = {r.request_id: n for r, n in out.scheduled}
+    assert all(sizes[r.request_id] == 1 for r in decoders)
+    assert sizes["p"] == (249 if buckets else 256) and out.num_tokens == (256 if buckets else 263)
+    scheduler.update_from_output(out, [1] * len(out.scheduled))
+    out = scheduler.schedule()
+    assert {r.request_id: n for r, n in out.scheduled}.get("p") == (7 if buckets else 1)
+    assert prompt.num_computed_tokens + (7 if buckets else 1) == (256 if buckets else 257)
+
+
 def test_preemption_frees_pages_and_requeues_the_newest():
     """Out of pages, the most recently admitted request is preempted, its pages freed, requeued first."""
     cfg = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64, block_size=4)

@@ -134,7 +134,11 @@ ffi::Error PagedDecodeAttention(ffi::ThreadPool pool,
   if (kv_dims[4] != head_dim || num_heads % num_kv_heads != 0) {
     return ffi::Error::InvalidArgument("paged_decode_attention: head shapes do not match");
   }
-  const int64_t layer_offset = int64_t{layer.typed_data()[0]} * num_pages * page_size * num_kv_heads * head_dim;
+  const int64_t layer_index = layer.typed_data()[0];
+  if (layer_index < 0 || layer_index >= kv_dims[0]) {
+    return ffi::Error::InvalidArgument("paged_decode_attention: layer index out of range");
+  }
+  const int64_t layer_offset = layer_index * num_pages * page_size * num_kv_heads * head_dim;
   const Problem problem{q.typed_data(), k_pages.typed_data() + layer_offset, v_pages.typed_data() + layer_offset,
                         kv_lens.typed_data(), block_tables.typed_data(), out->typed_data(),
                         num_heads, head_dim, num_heads / num_kv_heads, num_pages, page_size,
