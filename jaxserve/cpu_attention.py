@@ -27,7 +27,7 @@ import numpy as np
 SOURCE = Path(__file__).parent / "cpu_kernels" / "paged_decode_attention.cc"
 TARGET = "jaxserve_paged_decode_attention"
 _registered: Path | None = None  # the library whose handler this process registered
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC", "-std=c++17", "-w")
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17", "-w")
 
 
 def _library_path(compiler: str) -> Path:

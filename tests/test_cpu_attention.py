@@ -108,3 +108,11 @@ def test_without_a_compiler_auto_falls_back_to_xla_and_says_why(monkeypatch, tmp
         cpu_attention.kernel_error.cache_clear()
         monkeypatch.undo()
         assert cpu_attention.kernel_error() is None  # built or cached again for the tests that follow
+
+
+def test_loading_the_kernel_leaves_the_processs_floating_point_mode_alone():
+    """GCC links a -ffast-math shared library with code that turns on flush-to-zero for the whole
+    process when it loads: every subnormal float in the server (and its tests) would become 0."""
+    assert cpu_attention.kernel_error() is None
+    tiny = np.float32(1e-39)  # subnormal in float32
+    assert tiny * np.float32(1.0) != 0 and np.finfo(np.float32).smallest_subnormal > 0
