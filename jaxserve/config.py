@@ -218,7 +218,7 @@ class EngineConfig:
     forbid_compilation_after_warmup: bool = False
     min_prefill_bucket: int = 16
     min_decode_bucket: int = 1
-    prefill_query_block: int = 16  # query rows per attention tile in the ragged step
+    prefill_query_block: int = 64  # query rows per attention tile in the ragged step (64: fastest on CPU)
     kv_block: int = 128  # keys per attention loop iteration
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
 

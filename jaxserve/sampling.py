@@ -170,18 +170,9 @@ def _argmax(x):
     return jnp.min(jnp.where(x == jnp.max(x, axis=-1, keepdims=True), ids, x.shape[-1]), axis=-1)
 
 
-def sample(logits, t: SamplingTensors) -> SamplerOutput:
-    """Samples one token per row from logits [S, vocab] f32."""
-    num_seqs, vocab = logits.shape
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    processed = jax.lax.cond(
-        jnp.any((t.presence_penalty != 0) | (t.frequency_penalty != 0) | (t.repetition_penalty != 1)),
-        apply_penalties, lambda logits, t: logits, logits, t,
-    )
-    rows = jnp.arange(num_seqs)[:, None]
-    processed = processed.at[rows, t.bias_ids].add(t.bias_values, mode="drop")
-    greedy = _argmax(processed)
-
+def _sample_random(processed, t: SamplingTensors):
+    """Temperature, min-p, top-k and top-p, then a Gumbel-max draw per row: [S] token ids."""
+    num_seqs, vocab = processed.shape
     scaled = processed / jnp.maximum(t.temperature, 1e-6)[:, None]
     probs = jax.nn.softmax(scaled, axis=-1)
     keep = probs >= t.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
@@ -196,19 +187,35 @@ def sample(logits, t: SamplingTensors) -> SamplerOutput:
     def gumbel(seed, position):
         return jax.random.gumbel(jax.random.fold_in(jax.random.key(seed), position), (vocab,), jnp.float32)
 
-    noise = jax.lax.cond(
-        jnp.any(t.temperature > 0),
-        lambda: jax.vmap(gumbel)(t.seeds, t.positions),
-        lambda: jnp.zeros((num_seqs, vocab), jnp.float32),
-    )
-    sampled = _argmax(jnp.where(keep, scaled + noise, -jnp.inf))
-    tokens = jnp.where(t.temperature > 0, sampled, greedy).astype(jnp.int32)
+    noise = jax.vmap(gumbel)(t.seeds, t.positions)
+    return _argmax(jnp.where(keep, scaled + noise, -jnp.inf))
 
-    token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+
+def sample(logits, t: SamplingTensors) -> SamplerOutput:
+    """Samples one token per row from logits [S, vocab] f32.
+
+    A batch of greedy rows only (the common serving case) skips the softmax, truncation and noise
+    passes over the vocabulary; logprobs are of the raw logits, as vLLM reports them.
+    """
+    num_seqs, vocab = logits.shape
+    processed = jax.lax.cond(
+        jnp.any((t.presence_penalty != 0) | (t.frequency_penalty != 0) | (t.repetition_penalty != 1)),
+        apply_penalties, lambda logits, t: logits, logits, t,
+    )
+    rows = jnp.arange(num_seqs)[:, None]
+    processed = processed.at[rows, t.bias_ids].add(t.bias_values, mode="drop")
+    greedy = _argmax(processed)
+    tokens = jax.lax.cond(
+        jnp.any(t.temperature > 0),
+        lambda: jnp.where(t.temperature > 0, _sample_random(processed, t), greedy),
+        lambda: greedy,
+    ).astype(jnp.int32)
+
+    log_normalizer = jax.nn.logsumexp(logits, axis=-1)
+    token_logprobs = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_normalizer
     top_logprobs, top_ids = jax.lax.cond(
         jnp.any(t.want_logprobs),
-        lambda lp: tuple(jax.lax.top_k(lp, MAX_LOGPROBS)),
-        lambda lp: (jnp.zeros((num_seqs, MAX_LOGPROBS), lp.dtype), jnp.zeros((num_seqs, MAX_LOGPROBS), jnp.int32)),
-        raw_logprobs,
+        lambda: tuple(jax.lax.top_k(logits - log_normalizer[:, None], MAX_LOGPROBS)),
+        lambda: (jnp.zeros((num_seqs, MAX_LOGPROBS), logits.dtype), jnp.zeros((num_seqs, MAX_LOGPROBS), jnp.int32)),
     )
     return SamplerOutput(tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs)
