@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import make_tiny_model  # noqa: E402
+
+# Every test session builds the C++ CPU attention kernel into its own cache (set before any test
+# module is collected, since collection already loads the kernel): the build itself is under test.
+if "JAXSERVE_KERNEL_CACHE" not in os.environ:
+    os.environ["JAXSERVE_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="jaxserve-kernels-")
+    atexit.register(shutil.rmtree, os.environ["JAXSERVE_KERNEL_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
