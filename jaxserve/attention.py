@@ -202,23 +202,23 @@ def ragged_paged_attention(
     Two flash-attention passes with an online softmax: decode rows (single-row sequences), vectorized
     a group of sequences at a time, and the tiles of multi-row chunks; both loop over only the groups,
     tiles and key blocks that exist. decode_only (every sequence has at most one row) skips the
-    second. Memory is O(tile x kv_block); there are no key-length buckets. cpu_kernel: the decode
-    rows go to the C++ kernel of `cpu_attention.py` instead (XLA:CPU, float32 pages).
+    second. Memory is O(tile x kv_block); there are no key-length buckets. cpu_kernel: every row goes
+    to the C++ kernel of `cpu_attention.py` instead (XLA:CPU, float32 pages), one call per layer.
     """
     num_tokens = q.shape[0]
+    if cpu_kernel:
+        from jaxserve.cpu_attention import paged_row_attention
+
+        rows = jnp.arange(num_tokens, dtype=jnp.int32)
+        seqs = jnp.minimum(jnp.searchsorted(md.cu_q_lens[1:], rows, side="right"), md.kv_lens.shape[0] - 1)
+        positions = md.kv_lens[seqs] - md.cu_q_lens[seqs + 1] + rows  # kv_len - q_len + row offset
+        kv_lens = jnp.where(rows < md.cu_q_lens[-1], positions + 1, 0)  # padding rows: nothing
+        return paged_row_attention(q, k_pages, v_pages, layer, kv_lens, seqs, md.block_tables, scale=scale,
+                                   sliding_window=sliding_window, soft_cap=soft_cap).astype(q.dtype)
     page_size = k_pages.shape[2]
     kv_block = -(-kv_block // page_size) * page_size  # whole pages
     kwargs = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, kv_block=kv_block)
-    if cpu_kernel:
-        from jaxserve.cpu_attention import paged_decode_attention
-
-        is_row = (md.cu_q_lens[1:] - md.cu_q_lens[:-1]) == 1
-        last_rows = jnp.clip(md.cu_q_lens[1:] - 1, 0, num_tokens - 1)
-        decode_rows = paged_decode_attention(q[last_rows], k_pages, v_pages, layer, jnp.where(is_row, md.kv_lens, 0),
-                                             md.block_tables, scale=scale, sliding_window=sliding_window,
-                                             soft_cap=soft_cap)
-    else:
-        decode_rows = _decode_row_attention(q, k_pages, v_pages, layer, md, **kwargs)  # [S, H, D]
+    decode_rows = _decode_row_attention(q, k_pages, v_pages, layer, md, **kwargs)  # [S, H, D]
     if decode_only:
         out = jnp.zeros(q.shape, jnp.float32)
     else:

@@ -1,8 +1,9 @@
 """Which attention implementation runs, decided once at engine start, and the one call that runs it.
 
   xla               `jaxserve.attention.ragged_paged_attention`: pure JAX, any platform, the reference.
-  cpu               the same, with decode rows computed by the C++ kernel of `cpu_attention.py` (XLA:CPU,
-                    float32 KV pages; built with the machine's C++ compiler on first use).
+  cpu               the same contract, every row (decode rows and prompt chunks) computed by the C++ kernel
+                    of `cpu_attention.py` (XLA:CPU, float32 KV pages; built with the machine's C++
+                    compiler on first use).
   pallas            `pallas_kernels` (Mosaic GPU, Hopper): the ragged kernel for the prefill entry point,
                     the flash-decoding kernel for the decode entry point.
   pallas-interpret  the same kernels run by JAX's GPU interpreter on the CPU: tests and debugging, slow.
@@ -51,7 +52,7 @@ def _local_gpu_error() -> str | None:
 
 
 def _cpu_kernel_error(engine_cfg: EngineConfig, platform: str) -> str | None:
-    """Why the C++ CPU decode kernel cannot run here, or None if it can (building it if needed)."""
+    """Why the C++ CPU attention kernel cannot run here, or None if it can (building it if needed)."""
     if platform != "cpu":
         return f"it runs on a CPU (this is {platform})"
     if jnp.dtype(engine_cfg.dtype) != jnp.float32:

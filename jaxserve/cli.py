@@ -32,7 +32,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser, positional_model: bool = 
     parser.add_argument("--no-mixed-batches", dest="mixed_batches", action="store_false",
                         help="never put prompt chunks and decode rows in one step (to measure what mixing buys)")
     parser.add_argument("--attention-backend", default=defaults.attention_backend, choices=ATTENTION_BACKENDS,
-                        help="auto: Pallas kernels on a Hopper GPU when the model fits them, the C++ decode kernel "
+                        help="auto: Pallas kernels on a Hopper GPU when the model fits them, the C++ attention kernel "
                              "on a CPU (float32), else XLA")
 
 

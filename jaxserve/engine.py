@@ -6,6 +6,7 @@ as token ids (tokenization and chat templates belong to the callers: `llm.py`, t
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -26,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, model: LoadedModel, cfg: EngineConfig):
-        self.model, self.cfg = model, cfg
+        self.cfg = cfg
         self.model_cfg = model.config
         self.tokenizer = model.tokenizer
         if cfg.max_model_len > self.model_cfg.max_position_embeddings:
@@ -35,6 +36,7 @@ class LLMEngine:
                 f"max_position_embeddings={self.model_cfg.max_position_embeddings}"
             )
         self.runner = ModelRunner(self.model_cfg, cfg, model.params)
+        self.model = dataclasses.replace(model, params=None)  # the runner holds them, in its own layout
         if self.runner.max_concurrent_tokens < cfg.max_model_len:
             raise ValueError(
                 f"the KV page pool holds {self.runner.max_concurrent_tokens} tokens, fewer than "

@@ -29,7 +29,7 @@ from jaxserve import compilation
 from jaxserve.attention import AttentionMetadata
 from jaxserve.attention_backends import resolve_attention_backend
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.models.transformer import forward, init_kv_cache, kv_bytes_per_token
+from jaxserve.models.transformer import forward, init_kv_cache, kv_bytes_per_token, serving_params
 from jaxserve.sampling import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplerOutput, SamplingParams, SamplingTensors, sample
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,10 @@ class ModelRunner:
         self.model_cfg, self.cfg = model_cfg, engine_cfg
         self.attention_backend = resolve_attention_backend(engine_cfg.attention_backend, model_cfg, engine_cfg,
                                                            platform)
-        self.params = params
+        # forward's layout (per-layer arrays, fused projections); shapes only for check-lowering
+        to_serving = jax.jit(functools.partial(serving_params, model_cfg))
+        abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+        self.params = jax.eval_shape(to_serving, params) if abstract else to_serving(params)
         self.num_pages = self._num_pages()
         self.kv_cache = init_kv_cache(model_cfg, self.num_pages, engine_cfg.block_size, engine_cfg.dtype)
         self.prefill_buckets = prefill_buckets(engine_cfg)

@@ -1,7 +1,8 @@
-"""The C++ paged decode attention for XLA:CPU (`jaxserve/cpu_attention.py`) against the dense reference.
+"""The C++ paged attention for XLA:CPU (`jaxserve/cpu_attention.py`) against the dense reference.
 
-The kernel computes the decode rows (single-row sequences) of `ragged_paged_attention(cpu_kernel=True)`;
-prompt chunks in the same batch stay on XLA's path. Every case mixes both, with padding rows and
+The kernel computes every row of `ragged_paged_attention(cpu_kernel=True)`: decode rows and the rows of
+prompt chunks, each over its own causal key range. The ragged cases mix both (chunks with and without
+a cached prefix), the decode cases have single rows only; all of them have padding rows and
 sequences, shuffled pages, and large values in the slots no sequence owns (a read past kv_len, or
 through the wrong page, shows). The backend choice and its fallbacks are checked at the end.
 """
@@ -95,7 +96,7 @@ def test_without_a_compiler_auto_falls_back_to_xla_and_says_why(monkeypatch, tmp
     the reason; an explicit 'cpu' is refused with it."""
     monkeypatch.setenv("CXX", "no-such-compiler")
     monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
-    cpu_attention.kernel_error.cache_clear()
+    cpu_attention._build_and_register.cache_clear()
     try:
         assert "no C++ compiler ('no-such-compiler'" in cpu_attention.kernel_error()
         f32 = EngineConfig(dtype="float32")
@@ -105,7 +106,7 @@ def test_without_a_compiler_auto_falls_back_to_xla_and_says_why(monkeypatch, tmp
         with pytest.raises(ValueError, match="no C\\+\\+ compiler"):
             resolve_attention_backend("cpu", SMOLLM2_LIKE, f32, platform="cpu")
     finally:
-        cpu_attention.kernel_error.cache_clear()
+        cpu_attention._build_and_register.cache_clear()
         monkeypatch.undo()
         assert cpu_attention.kernel_error() is None  # built or cached again for the tests that follow
 

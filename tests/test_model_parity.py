@@ -25,7 +25,7 @@ import torch
 
 import tiny_models
 from jaxserve.config import ModelConfig
-from jaxserve.models.transformer import forward
+from jaxserve.models.transformer import forward, serving_params
 from jaxserve.weights import LoadedModel, load_model
 from paged_helpers import SeqChunk, assign_pages, make_batch
 
@@ -87,8 +87,9 @@ def run(model: TinyModel, kv_cache, chunks, *, num_tokens, num_seqs, cfg=None, q
     """One forward call; returns each real sequence's logits rows [q_len, vocab] and the cache."""
     batch = make_batch(chunks, page_size=PAGE_SIZE, pages_per_seq=PAGES_PER_SEQ, num_tokens=num_tokens,
                        num_seqs=num_seqs)
+    cfg = cfg or model.cfg
     logits, kv_cache = forward_jit(
-        model.loaded.params, cfg or model.cfg, batch.token_ids, batch.positions, kv_cache, batch.md,
+        serving_params(cfg, model.loaded.params), cfg, batch.token_ids, batch.positions, kv_cache, batch.md,
         batch.logits_indices, q_block=q_block, kv_block=kv_block,
     )
     logits = np.asarray(logits)

@@ -99,13 +99,15 @@ def test_float32_does_not_lower_and_says_why(monkeypatch):
                           i32(2, 4)).lower(lowering_platforms=("cuda",))
 
 
-def _assert_all_lowered_with_kernels(results, backend="pallas"):
+def _assert_all_lowered_with_kernels(results, backend="pallas", layer_kinds=1):
+    """layer_kinds: distinct layer functions (global and sliding-window layers lower separately; the
+    layers of one kind share one lowered body, so its kernel appears once)."""
     table = format_results(results, "cuda")
     assert all(r.ok for r in results), table
     for r in results:
         assert r.attention_backend == backend, table
         expected = "paged_decode_attention" if r.kind == "decode" else "ragged_paged_attention"
-        assert [k.name for k in r.kernels] == [expected], table  # once: the layer scan's body
+        assert [k.name for k in r.kernels] == [expected] * layer_kinds, table
         assert all(k.uses_wgmma and k.uses_tma for k in r.kernels), table
 
 
@@ -122,7 +124,8 @@ def test_gemma3_shapes_lower_for_cuda():
     scalar) in a whole step function: the most demanding selectable kernel configuration."""
     engine = EngineConfig(dtype="bfloat16", attention_backend="pallas", max_model_len=256, max_num_seqs=2,
                           max_num_batched_tokens=16, num_kv_pages=32, block_size=32)
-    _assert_all_lowered_with_kernels(check_lowering(TINY_GEMMA3, engine, platform="cuda"))
+    assert len(set(TINY_GEMMA3.layer_is_sliding)) == 2
+    _assert_all_lowered_with_kernels(check_lowering(TINY_GEMMA3, engine, platform="cuda"), layer_kinds=2)
 
 
 def test_default_model_step_functions_lower_for_cuda():

@@ -28,7 +28,7 @@ from gguf import GGMLQuantizationType as QType
 
 import tiny_models
 from jaxserve.config import ModelLoadError
-from jaxserve.models.transformer import forward
+from jaxserve.models.transformer import forward, serving_params
 from jaxserve.weights import GGUF_TYPES, LoadedModel, default_model_path, load_model, save_checkpoint
 from paged_helpers import SeqChunk, assign_pages, make_batch
 
@@ -55,7 +55,7 @@ def jax_logits(loaded: LoadedModel, token_ids) -> np.ndarray:
                        num_tokens=len(token_ids), num_seqs=1)
     shape = (cfg.num_layers, num_pages, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim)
     kv_cache = (jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
-    logits, _ = forward_jit(loaded.params, cfg, batch.token_ids, batch.positions, kv_cache, batch.md,
+    logits, _ = forward_jit(serving_params(cfg, loaded.params), cfg, batch.token_ids, batch.positions, kv_cache, batch.md,
                             batch.logits_indices)
     return np.asarray(logits)
 
