@@ -190,7 +190,7 @@ def ragged_paged_attention(
     md: AttentionMetadata,
     *,
     scale: float,
-    sliding_window=0,  # int32 scalar; 0 means none (may differ per layer, so traced)
+    sliding_window=0,  # int or int32 scalar; 0 means none (the model passes each layer's own)
     soft_cap: float = 0.0,
     q_block: int = 16,
     kv_block: int = 128,
