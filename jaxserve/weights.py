@@ -294,6 +294,7 @@ def _convert_gguf(path: Path, dtype: str) -> LoadedModel:
                 f"tensor {tensor.name!r} in {str(path)!r} has GGUF quantization type {tensor.tensor_type.name}, "
                 f"which jaxserve does not support (supported: {', '.join(GGUF_TYPES)})"
             )
+    _require_torch_for_gguf(path)
     try:
         hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as e:
@@ -328,6 +329,20 @@ def _convert_gguf(path: Path, dtype: str) -> LoadedModel:
     return LoadedModel(cfg, params, _load_gguf_tokenizer(path), str(path))
 
 
+def _torch_installed() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def _require_torch_for_gguf(path: Path) -> None:
+    """transformers reads GGUF metadata (for the config and the tokenizer) in modules that import torch.
+    Only a GGUF's first load needs it: later loads read jaxserve's model and tokenizer caches."""
+    if not _torch_installed():
+        raise ModelLoadError(
+            f"reading the GGUF file {str(path)!r} the first time needs torch (transformers' GGUF reader imports "
+            f"it): pip install 'jaxserve[gguf]'"
+        )
+
+
 def _load_gguf_tokenizer(path: Path):
     """Builds the tokenizer from GGUF metadata (slow: ~15 s for a 49k vocabulary), cached on disk."""
     stat = path.stat()
@@ -339,6 +354,7 @@ def _load_gguf_tokenizer(path: Path):
             return _load_tokenizer(cached, fast=True)
         except ModelLoadError:
             pass  # a damaged cache entry: rebuild it below
+    _require_torch_for_gguf(path)
     tokenizer = _load_tokenizer(path.parent, gguf_file=path.name)
     try:
         tmp = cached.with_name(f"{key}.tmp{os.getpid()}")

@@ -348,6 +348,26 @@ def test_a_gguf_is_converted_once_and_then_loaded_from_the_model_cache(tmp_path,
     assert len(list((tmp_path / "cache").iterdir())) == 1  # nothing written with the cache off
 
 
+def test_a_gguf_first_load_without_torch_names_the_extra_and_a_cached_one_needs_none(tmp_path, monkeypatch,
+                                                                                    llama_256):
+    """transformers' GGUF reader imports torch: without it, a GGUF's first load says which extra to install;
+    once converted, the model and tokenizer caches load it with no torch at all."""
+    from jaxserve import weights
+
+    monkeypatch.setenv("JAXSERVE_MODEL_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "tiny.gguf", llama_256, "llama")
+    with monkeypatch.context() as patch:
+        patch.setattr(weights, "_torch_installed", lambda: False)
+        with pytest.raises(ModelLoadError, match=r"needs torch .*jaxserve\[gguf\]"):
+            load_model(path)
+    first = load_model(path)
+    with monkeypatch.context() as patch:
+        patch.setattr(weights, "_torch_installed", lambda: False)
+        again = load_model(path)
+    assert again.config == first.config
+    assert again.tokenizer.encode("Hello") == first.tokenizer.encode("Hello")
+
+
 # ----------------------------------------------------------------------------------------------
 # Errors a user can cause: each is a ModelLoadError that names the problem
 
