@@ -203,11 +203,11 @@ def ragged_paged_attention(
     a group of sequences at a time, and the tiles of multi-row chunks; both loop over only the groups,
     tiles and key blocks that exist. decode_only (every sequence has at most one row) skips the
     second. Memory is O(tile x kv_block); there are no key-length buckets. cpu_kernel: every row goes
-    to the C++ kernel of `cpu_attention.py` instead (XLA:CPU, float32 pages), one call per layer.
+    to the C++ kernel of `cpu_ffi.py` instead (XLA:CPU, float32 pages), one call per layer.
     """
     num_tokens = q.shape[0]
     if cpu_kernel:
-        from jaxserve.cpu_attention import paged_row_attention
+        from jaxserve.cpu_ffi import paged_row_attention
 
         rows = jnp.arange(num_tokens, dtype=jnp.int32)
         seqs = jnp.minimum(jnp.searchsorted(md.cu_q_lens[1:], rows, side="right"), md.kv_lens.shape[0] - 1)

@@ -1,8 +1,9 @@
-"""Which attention implementation runs, decided once at engine start, and the one call that runs it.
+"""Which attention implementation runs, decided once at engine start, and the one call that runs it;
+and which matmul (`resolve_matmul_backend`).
 
   xla               `jaxserve.attention.ragged_paged_attention`: pure JAX, any platform, the reference.
   cpu               the same contract, every row (decode rows and prompt chunks) computed by the C++ kernel
-                    of `cpu_attention.py` (XLA:CPU, float32 KV pages; built with the machine's C++
+                    of `cpu_ffi.py` (XLA:CPU, float32 KV pages; built with the machine's C++
                     compiler on first use).
   pallas            `pallas_kernels` (Mosaic GPU, Hopper): the ragged kernel for the prefill entry point,
                     the flash-decoding kernel for the decode entry point.
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.attention import AttentionMetadata, ragged_paged_attention
-from jaxserve.config import ATTENTION_BACKENDS, EngineConfig, ModelConfig
+from jaxserve.config import ATTENTION_BACKENDS, MATMUL_BACKENDS, EngineConfig, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +53,12 @@ def _local_gpu_error() -> str | None:
 
 
 def _cpu_kernel_error(engine_cfg: EngineConfig, platform: str) -> str | None:
-    """Why the C++ CPU attention kernel cannot run here, or None if it can (building it if needed)."""
+    """Why the C++ CPU kernels cannot run here, or None if they can (building them if needed)."""
     if platform != "cpu":
         return f"it runs on a CPU (this is {platform})"
     if jnp.dtype(engine_cfg.dtype) != jnp.float32:
-        return f"it reads float32 KV pages (the engine runs {engine_cfg.dtype})"
-    from jaxserve.cpu_attention import kernel_error
+        return f"it reads float32 weights and KV pages (the engine runs {engine_cfg.dtype})"
+    from jaxserve.cpu_ffi import kernel_error
 
     return kernel_error()
 
@@ -101,6 +102,24 @@ def resolve_attention_backend(requested: str, model_cfg: ModelConfig, engine_cfg
     if reason:
         raise ValueError(f"attention_backend={requested!r} cannot run this model: {reason}")
     return requested
+
+
+def resolve_matmul_backend(requested: str, engine_cfg: EngineConfig, platform: str | None = None) -> str:
+    """"cpu" (the weights packed for `cpu_ffi.matmul`) or "xla", for `platform` (None: this machine).
+    Raises ValueError when an explicit "cpu" cannot run."""
+    assert requested in MATMUL_BACKENDS, requested
+    if requested == "xla":
+        return "xla"
+    platform = platform or jax.default_backend()
+    if requested == "auto" and platform != "cpu":
+        return "xla"
+    reason = _cpu_kernel_error(engine_cfg, platform)
+    if not reason:
+        return "cpu"
+    if requested == "cpu":
+        raise ValueError(f"matmul_backend='cpu' cannot run this model: {reason}")
+    logger.warning("matmul_backend='auto' uses XLA's dot: %s", reason)
+    return "xla"
 
 
 def paged_attention(

@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from jaxserve.config import ATTENTION_BACKENDS, EngineConfig, ModelLoadError
+from jaxserve.config import ATTENTION_BACKENDS, MATMUL_BACKENDS, EngineConfig, ModelLoadError
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
@@ -34,6 +34,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser, positional_model: bool = 
     parser.add_argument("--attention-backend", default=defaults.attention_backend, choices=ATTENTION_BACKENDS,
                         help="auto: Pallas kernels on a Hopper GPU when the model fits them, the C++ attention kernel "
                              "on a CPU (float32), else XLA")
+    parser.add_argument("--matmul-backend", default=defaults.matmul_backend, choices=MATMUL_BACKENDS,
+                        help="auto: the C++ packed-weight matmul on a CPU (float32), else XLA's dot")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -45,6 +47,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_memory_bytes=int(args.kv_cache_memory_gib * 2**30),
         seed=args.seed,
         attention_backend=args.attention_backend,
+        matmul_backend=args.matmul_backend,
         mixed_batches=args.mixed_batches,
     )
     if args.max_model_len is not None:

@@ -23,6 +23,8 @@ SUPPORTED_ARCHITECTURES = {
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # See attention_backends.py: auto = Pallas kernels on a Hopper GPU when the model fits them, else XLA.
 ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas", "pallas-interpret")
+# auto = the C++ packed-weight matmul on a CPU (float32) when it builds, else XLA's dot.
+MATMUL_BACKENDS = ("auto", "xla", "cpu")
 
 
 class ModelLoadError(ValueError):
@@ -221,6 +223,7 @@ class EngineConfig:
     prefill_query_block: int = 64  # query rows per attention tile in the ragged step (64: fastest on CPU)
     kv_block: int = 128  # keys per attention loop iteration
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
+    matmul_backend: str = "auto"  # one of MATMUL_BACKENDS
 
     def __post_init__(self):
         def check(ok: bool, message: str):
@@ -240,6 +243,7 @@ class EngineConfig:
               f"{self.num_kv_pages=} must be at least 2 (page 0 is the reserved dummy page)")
         check(self.attention_backend in ATTENTION_BACKENDS,
               f"{self.attention_backend=} must be one of {ATTENTION_BACKENDS}")
+        check(self.matmul_backend in MATMUL_BACKENDS, f"{self.matmul_backend=} must be one of {MATMUL_BACKENDS}")
         check(not (self.attention_backend == "pallas-interpret" and self.forbid_compilation_after_warmup),
               "attention_backend='pallas-interpret' compiles the GPU interpreter's helpers while it runs: "
               "it cannot be combined with forbid_compilation_after_warmup=True")

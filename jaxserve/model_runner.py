@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from jaxserve import compilation
 from jaxserve.attention import AttentionMetadata
-from jaxserve.attention_backends import resolve_attention_backend
+from jaxserve.attention_backends import resolve_attention_backend, resolve_matmul_backend
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.models.transformer import forward, init_kv_cache, kv_bytes_per_token, serving_params
 from jaxserve.sampling import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplerOutput, SamplingParams, SamplingTensors, sample
@@ -96,6 +96,7 @@ class ModelRunner:
         self.model_cfg, self.cfg = model_cfg, engine_cfg
         self.attention_backend = resolve_attention_backend(engine_cfg.attention_backend, model_cfg, engine_cfg,
                                                            platform)
+        self.matmul_backend = resolve_matmul_backend(engine_cfg.matmul_backend, engine_cfg, platform)
         self.params = self._serving_params(params)
         self.num_pages = self._num_pages()
         self.kv_cache = init_kv_cache(model_cfg, self.num_pages, engine_cfg.block_size, engine_cfg.dtype)
@@ -109,9 +110,9 @@ class ModelRunner:
         # logit_bias entries, plus EOS and stop ids suppressed before min_tokens
         self.bias_width = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + len(model_cfg.eos_token_ids)
         logger.info(
-            "KV cache: %d pages of %d tokens (%d max concurrent tokens), %.1f MiB; %s attention",
+            "KV cache: %d pages of %d tokens (%d max concurrent tokens), %.1f MiB; %s attention, %s matmuls",
             self.num_pages - 1, engine_cfg.block_size, self.max_concurrent_tokens,
-            self.kv_cache_bytes / 2**20, self.attention_backend,
+            self.kv_cache_bytes / 2**20, self.attention_backend, self.matmul_backend,
         )
 
     def _serving_params(self, params):
@@ -120,7 +121,7 @@ class ModelRunner:
         for the default model); elsewhere the conversion runs on the device. Shapes only for
         check-lowering."""
         leaves = jax.tree.leaves(params)
-        to_serving = functools.partial(serving_params, self.model_cfg)
+        to_serving = functools.partial(serving_params, self.model_cfg, packed=self.matmul_backend == "cpu")
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
             return jax.eval_shape(to_serving, params)
         if all(device.platform == "cpu" for x in leaves for device in x.devices()):

@@ -1,4 +1,4 @@
-"""The C++ paged attention for XLA:CPU (`jaxserve/cpu_attention.py`) against the dense reference.
+"""The C++ paged attention for XLA:CPU (`jaxserve/cpu_ffi.py`) against the dense reference.
 
 The kernel computes every row of `ragged_paged_attention(cpu_kernel=True)`: decode rows and the rows of
 prompt chunks, each over its own causal key range. The ragged cases mix both (chunks with and without
@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from jaxserve import cpu_attention
+from jaxserve import cpu_ffi
 from jaxserve.attention import ragged_paged_attention
 from jaxserve.attention_backends import resolve_attention_backend
 from jaxserve.config import EngineConfig, ModelConfig, RopeConfig
 from test_pallas_attention import LAYER, build_case, decode_lengths, ragged_lengths
 
-pytestmark = pytest.mark.skipif(cpu_attention.kernel_error() is not None,
-                                reason=f"the CPU kernel is unavailable: {cpu_attention.kernel_error()}")
+pytestmark = pytest.mark.skipif(cpu_ffi.kernel_error() is not None,
+                                reason=f"the CPU kernel is unavailable: {cpu_ffi.kernel_error()}")
 
 CASES = [  # head_dim, page_size, group (query heads per kv head), sliding window, soft cap
     (64, 16, 3, 0, 0.0),  # SmolLM2's shape
@@ -96,9 +96,9 @@ def test_without_a_compiler_auto_falls_back_to_xla_and_says_why(monkeypatch, tmp
     the reason; an explicit 'cpu' is refused with it."""
     monkeypatch.setenv("CXX", "no-such-compiler")
     monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
-    cpu_attention._build_and_register.cache_clear()
+    cpu_ffi._build_and_register.cache_clear()
     try:
-        assert "no C++ compiler ('no-such-compiler'" in cpu_attention.kernel_error()
+        assert "no C++ compiler ('no-such-compiler'" in cpu_ffi.kernel_error()
         f32 = EngineConfig(dtype="float32")
         with caplog.at_level(logging.WARNING, logger="jaxserve.attention_backends"):
             assert resolve_attention_backend("auto", SMOLLM2_LIKE, f32, platform="cpu") == "xla"
@@ -106,14 +106,14 @@ def test_without_a_compiler_auto_falls_back_to_xla_and_says_why(monkeypatch, tmp
         with pytest.raises(ValueError, match="no C\\+\\+ compiler"):
             resolve_attention_backend("cpu", SMOLLM2_LIKE, f32, platform="cpu")
     finally:
-        cpu_attention._build_and_register.cache_clear()
+        cpu_ffi._build_and_register.cache_clear()
         monkeypatch.undo()
-        assert cpu_attention.kernel_error() is None  # built or cached again for the tests that follow
+        assert cpu_ffi.kernel_error() is None  # built or cached again for the tests that follow
 
 
 def test_loading_the_kernel_leaves_the_processs_floating_point_mode_alone():
     """GCC links a -ffast-math shared library with code that turns on flush-to-zero for the whole
     process when it loads: every subnormal float in the server (and its tests) would become 0."""
-    assert cpu_attention.kernel_error() is None
+    assert cpu_ffi.kernel_error() is None
     tiny = np.float32(1e-39)  # subnormal in float32
     assert tiny * np.float32(1.0) != 0 and np.finfo(np.float32).smallest_subnormal > 0

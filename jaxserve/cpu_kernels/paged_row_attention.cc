@@ -1,4 +1,4 @@
-// Paged attention by query rows for XLA:CPU, called through the XLA FFI (see jaxserve/cpu_attention.py).
+// Paged attention by query rows for XLA:CPU, called through the XLA FFI (see jaxserve/cpu_ffi.py).
 //
 // Every query row (a decode row, or one row of a prompt chunk) attends to its keys 0..kv_len-1,
 // kv_len being the row's own position + 1, read in place from the page arrays

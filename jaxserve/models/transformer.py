@@ -38,6 +38,7 @@ import numpy as np
 from jaxserve.attention import AttentionMetadata, write_kv
 from jaxserve.attention_backends import paged_attention
 from jaxserve.config import ModelConfig
+from jaxserve.cpu_ffi import PackedWeight, matmul
 
 KVCache = tuple[jax.Array, jax.Array]  # (k_pages, v_pages), see attention.py for the layout
 
@@ -61,9 +62,12 @@ def apply_rope(x, cos, sin):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def serving_params(cfg: ModelConfig, params) -> dict:
+def serving_params(cfg: ModelConfig, params, packed: bool = False) -> dict:
     """The loaded (stacked) params -> forward's layout: a list of per-layer dicts with
-    w_qkv [hidden, (H + 2 KVH) D] (and b_qkv) and w_gate_up [hidden, 2 inter]."""
+    w_qkv [hidden, (H + 2 KVH) D] (and b_qkv) and w_gate_up [hidden, 2 inter].
+
+    packed: the weight matrices become `PackedWeight`s for the C++ CPU matmul, the LM head included;
+    a tied LM head is then the only copy of the embeddings (forward looks tokens up in it)."""
     stacked = params["layers"]
     xp = np if isinstance(stacked["attn_norm"], np.ndarray) else jnp  # host arrays stay on the host
     out = {k: v for k, v in params.items() if k != "layers"}
@@ -77,13 +81,21 @@ def serving_params(cfg: ModelConfig, params) -> dict:
                 lp[name] = xp.concatenate([stacked[n][i] for n in names], axis=-1)
         layers.append(lp)
     out["layers"] = layers
+    if packed:
+        for lp in layers:
+            for name in MATRICES:
+                lp[name] = PackedWeight.pack(lp[name])
+        out["lm_head"] = PackedWeight.pack(out.pop("embed").T if cfg.tie_word_embeddings else out["lm_head"])
     return out
 
 
+MATRICES = ("w_qkv", "wo", "w_gate_up", "w_down")  # a layer's weight matrices, in serving_params' layout
+
+
 def _mlp(cfg: ModelConfig, lp, x):
-    gate, up = jnp.split(x @ lp["w_gate_up"], 2, axis=-1)
+    gate, up = jnp.split(matmul(x, lp["w_gate_up"]), 2, axis=-1)
     act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-    return (act * up) @ lp["w_down"]
+    return matmul(act * up, lp["w_down"])
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sliding", "q_block", "kv_block", "attention_backend",
@@ -95,7 +107,7 @@ def _layer(h, k_pages, v_pages, lp, layer, cos, sin, md: AttentionMetadata, *, c
     num_tokens = h.shape[0]
     q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-    qkv = x @ lp["w_qkv"]
+    qkv = matmul(x, lp["w_qkv"])
     if cfg.attention_bias:
         qkv = qkv + lp["b_qkv"]
     q = qkv[:, :q_width].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
@@ -117,7 +129,7 @@ def _layer(h, k_pages, v_pages, lp, layer, cos, sin, md: AttentionMetadata, *, c
         backend=attention_backend,
         decode_only=decode_only,
     )
-    out = attn.reshape(num_tokens, q_width) @ lp["wo"]
+    out = matmul(attn.reshape(num_tokens, q_width), lp["wo"])
     if cfg.sandwich_norm:
         out = rms_norm(out, lp["post_attn_norm"], cfg.rms_norm_eps)
     h = h + out
@@ -148,7 +160,10 @@ def forward(
     promises at most one query row per sequence, which lets the Pallas backends use their decode kernel.
     """
     num_tokens = token_ids.shape[0]
-    h = params["embed"][token_ids]
+    if "embed" in params:
+        h = params["embed"][token_ids]
+    else:  # packed and tied: the LM head holds the embeddings
+        h = params["lm_head"].columns(token_ids)
     if cfg.embed_scale != 1.0:
         h = h * jnp.asarray(cfg.embed_scale, h.dtype)
 
@@ -166,8 +181,11 @@ def forward(
         )
 
     h = rms_norm(h[logits_indices], params["final_norm"], cfg.rms_norm_eps)
-    lm_head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    logits = jnp.dot(h, lm_head, preferred_element_type=jnp.float32)
+    if isinstance(params.get("lm_head"), PackedWeight):
+        logits = matmul(h, params["lm_head"])
+    else:
+        lm_head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+        logits = jnp.dot(h, lm_head, preferred_element_type=jnp.float32)
     if cfg.final_logit_softcap:
         logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
     return logits, (k_pages, v_pages)
