@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import tiny_models
+from jaxserve import cpu_ffi
 from jaxserve.config import ModelConfig
 from jaxserve.models.transformer import forward, serving_params
 from jaxserve.weights import LoadedModel, load_model
@@ -83,13 +84,15 @@ def garbage_cache(cfg: ModelConfig, seed: int = 0):
     return jnp.asarray(k), jnp.asarray(v)
 
 
-def run(model: TinyModel, kv_cache, chunks, *, num_tokens, num_seqs, cfg=None, q_block=16, kv_block=128):
-    """One forward call; returns each real sequence's logits rows [q_len, vocab] and the cache."""
+def run(model: TinyModel, kv_cache, chunks, *, num_tokens, num_seqs, cfg=None, q_block=16, kv_block=128,
+        packed=False):
+    """One forward call; returns each real sequence's logits rows [q_len, vocab] and the cache.
+    packed: the weights packed for the C++ CPU matmul."""
     batch = make_batch(chunks, page_size=PAGE_SIZE, pages_per_seq=PAGES_PER_SEQ, num_tokens=num_tokens,
                        num_seqs=num_seqs)
     cfg = cfg or model.cfg
     logits, kv_cache = forward_jit(
-        serving_params(cfg, model.loaded.params), cfg, batch.token_ids, batch.positions, kv_cache, batch.md,
+        serving_params(cfg, model.loaded.params, packed=packed), cfg, batch.token_ids, batch.positions, kv_cache, batch.md,
         batch.logits_indices, q_block=q_block, kv_block=kv_block,
     )
     logits = np.asarray(logits)
@@ -155,7 +158,7 @@ def test_chunked_prefill_matches_one_shot_prefill(tiny, family):
     assert_matches_hf(model, chunked, model.hf_logits(prompt), "chunked prefill")
 
 
-def run_ragged_batches(model: TinyModel, *, cfg=None, q_block=16, kv_block=128):
+def run_ragged_batches(model: TinyModel, *, cfg=None, q_block=16, kv_block=128, packed=False):
     """Two calls over 5 sequences: first fresh prompts of 1, 7, 8, 9 and 30 tokens in one batch, then
     a mix of decode rows and prefill chunks on top of those caches, the longest ending at position 32
     (a key block boundary for kv_block 8 and 16). Returns per sequence its logits rows from both
@@ -166,10 +169,10 @@ def run_ragged_batches(model: TinyModel, *, cfg=None, q_block=16, kv_block=128):
     initial = garbage_cache(model.cfg)
     first = [SeqChunk(s[:n], 0, t) for s, n, t in zip(seqs, first_lens, tables)]
     logits1, kv_cache = run(model, initial, first, num_tokens=BATCH_TOKENS, num_seqs=BATCH_SEQS,
-                            cfg=cfg, q_block=q_block, kv_block=kv_block)
+                            cfg=cfg, q_block=q_block, kv_block=kv_block, packed=packed)
     second = [SeqChunk(s[n:], n, t) for s, n, t in zip(seqs, first_lens, tables)]
     logits2, kv_cache = run(model, kv_cache, second, num_tokens=BATCH_TOKENS, num_seqs=BATCH_SEQS,
-                            cfg=cfg, q_block=q_block, kv_block=kv_block)
+                            cfg=cfg, q_block=q_block, kv_block=kv_block, packed=packed)
     logits = [np.concatenate([a, b]) for a, b in zip(logits1, logits2)]
     return logits, seqs, tables, initial, kv_cache
 
@@ -187,6 +190,18 @@ def test_ragged_batch_matches_hf_per_sequence(tiny, family):
     unowned = sorted(set(range(1, NUM_PAGES)) - {p for t in tables for p in t})
     for before, after in zip(initial, final):
         np.testing.assert_array_equal(np.asarray(after)[:, unowned], np.asarray(before)[:, unowned])
+
+
+@pytest.mark.skipif(cpu_ffi.kernel_error() is not None, reason=f"no CPU kernels: {cpu_ffi.kernel_error()}")
+@pytest.mark.parametrize("family", tiny_models.FAMILIES)
+def test_weights_packed_for_the_cpu_matmul_match_hf(tiny, family):
+    """The ragged batches with every weight matrix packed for the C++ matmul (its widths, 64 to 320,
+    are not multiples of its 48-column blocks, so the padded last block is exercised; tied LM heads
+    also serve the embedding lookup) give each sequence's HF logits."""
+    model = tiny(family)
+    logits, seqs, _, _, _ = run_ragged_batches(model, packed=True)
+    for i, (seq_logits, seq) in enumerate(zip(logits, seqs)):
+        assert_matches_hf(model, seq_logits, model.hf_logits(seq), f"packed, ragged sequence {i}")
 
 
 @pytest.mark.parametrize("q_block, kv_block", [(1, 8), (4, 16)])

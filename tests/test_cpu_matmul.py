@@ -1,0 +1,70 @@
+"""The C++ packed-weight matmul for XLA:CPU (`jaxserve/cpu_ffi.py`) against float64 numpy, and the
+engine's choice of it. The model-level parity (every family, packed, against Hugging Face) is in
+test_model_parity.py."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve import cpu_ffi
+from jaxserve.attention_backends import resolve_matmul_backend
+from jaxserve.config import EngineConfig
+from jaxserve.cpu_ffi import PACK_BLOCK, PackedWeight, matmul
+
+pytestmark = pytest.mark.skipif(cpu_ffi.kernel_error() is not None,
+                                reason=f"the CPU kernels are unavailable: {cpu_ffi.kernel_error()}")
+
+
+@pytest.mark.parametrize("k, n", [(1, 1), (33, 47), (33, 48), (33, 49), (64, 320), (576, 960)])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 17, 64])
+def test_packed_matmul_matches_numpy(m, k, n):
+    """Row counts below, at and past the kernel's 8-row tile; widths below, at and past a 48-column
+    block. Every output element is checked, so a missed tail row or column shows."""
+    rng = np.random.default_rng(m * 1000 + n)
+    x = rng.standard_normal((m, k), np.float32)
+    w = rng.standard_normal((k, n), np.float32)
+    packed = PackedWeight.pack(w)
+    assert packed.data.shape == (-(-n // PACK_BLOCK), k, PACK_BLOCK) and packed.n == n
+    out = np.asarray(jax.jit(matmul)(jnp.asarray(x), jax.device_put(packed)))
+    expected = x.astype(np.float64) @ w.astype(np.float64)
+    assert out.shape == (m, n)
+    np.testing.assert_allclose(out, expected, atol=2e-5 * np.sqrt(k), rtol=1e-5)
+
+
+def test_packing_in_jax_and_numpy_agree_and_columns_are_an_embedding_lookup():
+    w = np.random.default_rng(0).standard_normal((10, 100), np.float32)
+    host, traced = PackedWeight.pack(w), jax.jit(PackedWeight.pack)(jnp.asarray(w))
+    np.testing.assert_array_equal(np.asarray(traced.data), host.data)
+    assert not host.data[-1, :, 100 - 2 * PACK_BLOCK:].any(), "the last block is padded with zeros"
+    ids = jnp.asarray([0, 47, 48, 99, 5])
+    np.testing.assert_array_equal(np.asarray(jax.jit(PackedWeight.columns)(traced, ids)), w[:, np.asarray(ids)].T)
+
+
+def test_one_step_calls_the_kernel_from_several_threads_without_mixing_results():
+    """Two independent matmuls in one jitted function may run at once on XLA's threads."""
+    rng = np.random.default_rng(1)
+    xs = [rng.standard_normal((5, 96), np.float32) for _ in range(2)]
+    ws = [rng.standard_normal((96, 480), np.float32) for _ in range(2)]
+    out = jax.jit(lambda a, b, p, q: (matmul(a, p), matmul(b, q)))(*map(jnp.asarray, xs),
+                                                                  *map(PackedWeight.pack, ws))
+    for got, x, w in zip(out, xs, ws):
+        np.testing.assert_allclose(np.asarray(got), x @ w, atol=1e-4, rtol=1e-5)
+
+
+def test_auto_packs_the_weights_for_float32_on_a_cpu_and_keeps_xla_otherwise(caplog):
+    f32, bf16 = EngineConfig(dtype="float32"), EngineConfig(dtype="bfloat16")
+    assert resolve_matmul_backend("auto", f32, platform="cpu") == "cpu"
+    assert resolve_matmul_backend("auto", f32, platform="gpu") == "xla"
+    assert resolve_matmul_backend("xla", f32, platform="cpu") == "xla"
+    with caplog.at_level(logging.WARNING, logger="jaxserve.attention_backends"):
+        assert resolve_matmul_backend("auto", bf16, platform="cpu") == "xla"
+    assert "float32" in caplog.text
+    with pytest.raises(ValueError, match="matmul_backend='cpu'.*runs on a CPU"):
+        resolve_matmul_backend("cpu", f32, platform="gpu")
+    with pytest.raises(ValueError, match="matmul_backend"):
+        EngineConfig(matmul_backend="blas")
