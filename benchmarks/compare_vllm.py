@@ -16,7 +16,8 @@ Steps (each prints what it does):
 5. `vllm bench serve` and `jaxserve bench serve` against jaxserve at one concurrency, alternating
    (--client-check-rounds each, the same prompts for both in a round), to check that the clients agree.
    --client-check-only starts jaxserve alone and runs just this.
-6. The compute ceiling from a large f32 matmul measured here, and each engine's fraction of it.
+6. The compute ceiling from a large f32 matmul measured here (the fastest of XLA's dot, PyTorch's and
+   jaxserve's packed kernel), and each engine's fraction of it.
 Writes results.json, results.md (the table) and results.png (the plot) into --out-dir.
 """
 
@@ -178,11 +179,13 @@ def main() -> None:
         if not args.skip_vllm_client_check:
             client_check = check_vllm_client(vllm_python, args, 8 if 8 in args.concurrency else args.concurrency[0])
 
-    from jaxserve.bench.hardware import measure_matmul_flops, measure_torch_matmul_flops, model_flops
+    from jaxserve.bench.hardware import (measure_matmul_flops, measure_packed_matmul_flops, measure_torch_matmul_flops,
+                                         model_flops)
     from jaxserve.bench.metrics import format_sweep, plot_sweep
     from jaxserve.weights import load_model
 
-    matmul = max(measure_matmul_flops(), measure_torch_matmul_flops() or 0.0)
+    # the fastest f32 matmul here: XLA's dot, PyTorch's, or jaxserve's own packed kernel
+    matmul = max(measure_matmul_flops(), measure_torch_matmul_flops() or 0.0, measure_packed_matmul_flops() or 0.0)
     model_cfg = load_model(None).config
     per_request = model_flops(model_cfg, args.input_len, args.output_len)
     ceiling = matmul / per_request * args.output_len  # output tokens/s if every FLOP ran at the matmul rate

@@ -26,11 +26,13 @@ from test_pallas_attention import LAYER, build_case, decode_lengths, ragged_leng
 pytestmark = pytest.mark.skipif(cpu_ffi.kernel_error() is not None,
                                 reason=f"the CPU kernel is unavailable: {cpu_ffi.kernel_error()}")
 
-CASES = [  # head_dim, page_size, group (query heads per kv head), sliding window, soft cap
+CASES = [  # head_dim, page_size, group (query heads per kv head), sliding window, soft cap; the first four
+    # take the kernel's grouped path (head_dim of 2, 4 or 8 vectors, up to 16 registers of queries)
     (64, 16, 3, 0, 0.0),  # SmolLM2's shape
     (64, 32, 4, 19, 30.0),  # a window that cuts into a page, and Gemma's soft cap
     (128, 16, 1, 0, 0.0),  # multi-head attention
     (32, 8, 2, 5, 0.0),
+    (48, 16, 5, 7, 0.0),  # no vectorized grouped path for this shape: the kernel's general loop
 ]
 
 

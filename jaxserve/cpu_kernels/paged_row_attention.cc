@@ -11,12 +11,14 @@
 // float32 only. A row with kv_len 0 (padding) gets zeros.
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <memory>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -34,13 +36,185 @@ struct Problem {
   float scale, soft_cap;
 };
 
+#ifdef __AVX512F__
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t IntVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef float UnalignedVec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
+
+Vec Load(const float* x) { return *reinterpret_cast<const UnalignedVec*>(x); }
+void Store(float* x, Vec v) { *reinterpret_cast<UnalignedVec*>(x) = v; }
+
+// exp(x) for x <= 0 (scores minus their maximum), lane by lane: x = n ln2 + r, exp(r) by Cephes'
+// polynomial for expf (relative error about 1e-7), 2^n from the exponent bits. Below -87 it gives
+// about 1e-38 rather than less, which no sum that holds the maximum's 1 can notice.
+Vec ExpNonPositive(Vec x) {
+  x = x < -87.0f ? Vec{} - 87.0f : x;
+  const IntVec n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, IntVec);  // about x / ln2
+  const Vec nf = __builtin_convertvector(n, Vec);
+  const Vec r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  Vec poly = 1.9875691500e-4f * r + 1.3981999507e-3f;
+  poly = poly * r + 8.3334519073e-3f;
+  poly = poly * r + 4.1665795894e-2f;
+  poly = poly * r + 1.6666665459e-1f;
+  poly = poly * r + 5.0000001201e-1f;
+  poly = poly * r * r + r + 1.0f;
+  const IntVec bits = (n + 127) << 23;
+  Vec two_n;
+  __builtin_memcpy(&two_n, &bits, sizeof(two_n));
+  return poly * two_n;
+}
+
+// A dot product over vectors leaves a vector of partial sums; the partial vectors of kLanes keys are
+// folded into one vector of kLanes sums (log2(kLanes) rounds, each pairing vector k with vector
+// k + n/2 by two shuffles and an add) instead of reducing every dot on its own. Round S takes lanes
+// in blocks of S, alternately from a and b; the two shuffles take the first and second S of each 2S.
+constexpr int FoldLane(int lane, int s) { return (lane / s) / 2 * 2 * s + lane % s + ((lane / s) % 2 ? kLanes : 0); }
+
+template <int S, int... L>
+Vec FoldPair(Vec a, Vec b, std::integer_sequence<int, L...>) {
+  return __builtin_shufflevector(a, b, FoldLane(L, S)...) + __builtin_shufflevector(a, b, (FoldLane(L, S) + S)...);
+}
+
+// v[0..N-1] -> lane l of v[0] is the sum of v[l]'s lanes (v is overwritten).
+template <int N>
+void FoldLanes(Vec* v) {
+  if constexpr (N > 1) {
+    for (int k = 0; k < N / 2; ++k) v[k] = FoldPair<N / 2>(v[k], v[k + N / 2], std::make_integer_sequence<int, kLanes>());
+    FoldLanes<N / 2>(v);
+  }
+}
+
 struct Scratch {
   std::vector<float> scores, acc, row_max, row_sum;
+  std::vector<Vec> parts;
 };
 
-// Attention of query row `row`: a pass over its keys for the scores, the softmax, and
-// a pass over its values. Each page is one contiguous [page_size, KVH, D] block, read in place, all
-// heads at once; the next page is prefetched while one is read.
+// The keys start..kv_len-1 of one row, page by page through its block table.
+struct RowKeys {
+  const Problem& p;
+  const int32_t* table;
+  int64_t start, kv_len;
+
+  int64_t Page(int64_t pos) const { return std::clamp<int64_t>(table[pos / p.page_size], 0, p.num_pages - 1); }
+
+  // fn(index from start, the key's or value's [KVH, D] row); the page after the current one is
+  // prefetched into L2 while it is read (into L1, most of a page's prefetches were lost: 1.5x slower).
+  template <typename Fn>
+  void ForEach(const float* pages, Fn&& fn) const {
+    const int64_t page_size = p.page_size, page_floats = page_size * p.token_stride;
+    for (int64_t pos = start; pos < kv_len;) {
+      const int64_t page_end = (pos / page_size + 1) * page_size, end = std::min(kv_len, page_end);
+      if (page_end < kv_len) {
+        const float* next = pages + Page(page_end) * page_floats;
+        for (int64_t line = 0; line < page_floats; line += 16) __builtin_prefetch(next + line, 0, 1);
+      }
+      const float* row = pages + Page(pos) * page_floats + (pos % page_size) * p.token_stride;
+      for (; pos < end; ++pos, row += p.token_stride) fn(pos - start, row);
+    }
+  }
+};
+
+// One row's attention, one KV head at a time, when head_dim is DV vectors and a KV head serves G
+// query heads: the G queries and G output accumulators stay in registers, each key row is loaded
+// once per KV head, and dot products are folded kLanes at a time (see FoldLanes).
+template <int DV, int G>
+void AttendGrouped(const Problem& p, const RowKeys& keys, float* out_rows, const float* q_rows, Scratch& scratch) {
+  constexpr int64_t D = DV * kLanes;
+  const int64_t count = keys.kv_len - keys.start, padded = (count + kLanes - 1) / kLanes * kLanes;
+  auto& scores = scratch.scores;  // [G, padded]
+  scores.resize(G * padded);
+  scratch.parts.resize(G * kLanes);
+  Vec* parts = scratch.parts.data();
+  for (int64_t kv_head = 0; kv_head < p.num_heads / G; ++kv_head) {
+    const float* q_group = q_rows + kv_head * G * D;
+    Vec q[G][DV];
+    for (int j = 0; j < G; ++j)
+      for (int v = 0; v < DV; ++v) q[j][v] = Load(q_group + j * D + v * kLanes) * p.scale;
+    keys.ForEach(p.k, [&](int64_t i, const float* key_rows) {
+      const float* key = key_rows + kv_head * D;
+      Vec k[DV];
+      for (int v = 0; v < DV; ++v) k[v] = Load(key + v * kLanes);
+      const int64_t lane = i % kLanes;
+      for (int j = 0; j < G; ++j) {
+        Vec part = q[j][0] * k[0];
+        for (int v = 1; v < DV; ++v) part += q[j][v] * k[v];
+        parts[j * kLanes + lane] = part;
+      }
+      if (lane == kLanes - 1 || i == count - 1) {
+        for (int j = 0; j < G; ++j) {
+          Vec* head_parts = parts + j * kLanes;
+          for (int64_t l = lane + 1; l < kLanes; ++l) head_parts[l] = Vec{};
+          FoldLanes<kLanes>(head_parts);
+          Store(scores.data() + j * padded + i - lane, head_parts[0]);
+        }
+      }
+    });
+    float inv_sum[G];
+    for (int j = 0; j < G; ++j) {
+      float* s = scores.data() + j * padded;
+      if (p.soft_cap > 0.0f) {
+        for (int64_t i = 0; i < count; ++i) s[i] = p.soft_cap * std::tanh(s[i] / p.soft_cap);
+      }
+      float max = -std::numeric_limits<float>::max();
+      for (int64_t i = 0; i < count; ++i) max = std::max(max, s[i]);
+      for (int64_t i = count; i < padded; ++i) s[i] = -std::numeric_limits<float>::infinity();
+      Vec sum{};
+      for (int64_t i = 0; i < padded; i += kLanes) {
+        const Vec e = ExpNonPositive(Load(s + i) - max);
+        const Vec kept = i + kLanes <= count ? e : Vec{};  // the padded tail is summed below
+        Store(s + i, e);
+        sum += kept;
+      }
+      float total = 0.0f;
+      for (int l = 0; l < kLanes; ++l) total += sum[l];
+      for (int64_t i = count / kLanes * kLanes; i < count; ++i) total += s[i];
+      inv_sum[j] = total > 0.0f ? 1.0f / total : 0.0f;
+    }
+    Vec acc[G][DV] = {};
+    keys.ForEach(p.v, [&](int64_t i, const float* value_rows) {
+      const float* value = value_rows + kv_head * D;
+      Vec val[DV];
+      for (int v = 0; v < DV; ++v) val[v] = Load(value + v * kLanes);
+      for (int j = 0; j < G; ++j) {
+        const float w = scores[j * padded + i];
+        for (int v = 0; v < DV; ++v) acc[j][v] += w * val[v];
+      }
+    });
+    float* out_group = out_rows + kv_head * G * D;
+    for (int j = 0; j < G; ++j)
+      for (int v = 0; v < DV; ++v) Store(out_group + j * D + v * kLanes, acc[j][v] * inv_sum[j]);
+  }
+}
+
+using GroupedFn = void (*)(const Problem&, const RowKeys&, float*, const float*, Scratch&);
+
+template <int DV, int... G>
+constexpr std::array<GroupedFn, 9> GroupedFns(std::integer_sequence<int, G...>) {
+  return {nullptr, (G + 1 <= 16 / DV ? &AttendGrouped<DV, G + 1> : nullptr)...};
+}
+
+// AttendGrouped for (head_dim, group), or nullptr: head_dim 2, 4 or 8 vectors, groups up to 8, and
+// at most 16 registers of queries per group.
+GroupedFn GroupedFor(int64_t head_dim, int64_t group) {
+  static constexpr auto kDv2 = GroupedFns<2>(std::make_integer_sequence<int, 8>());
+  static constexpr auto kDv4 = GroupedFns<4>(std::make_integer_sequence<int, 8>());
+  static constexpr auto kDv8 = GroupedFns<8>(std::make_integer_sequence<int, 8>());
+  if (head_dim % kLanes != 0 || group < 1 || group > 8) return nullptr;
+  switch (head_dim / kLanes) {
+    case 2: return kDv2[group];
+    case 4: return kDv4[group];
+    case 8: return kDv8[group];
+    default: return nullptr;
+  }
+}
+
+// Attention of query row `row`: a pass over its keys for the scores, the softmax, and a pass over
+// its values. Each page is one contiguous [page_size, KVH, D] block, read in place. Common shapes
+// go to AttendGrouped; the rest are computed here, all heads at once per key.
 void AttendOne(const Problem& p, int64_t row, Scratch& scratch) {
   const int64_t num_heads = p.num_heads, head_dim = p.head_dim, page_size = p.page_size;
   const float* q_rows = p.q + row * num_heads * head_dim;
@@ -48,31 +222,22 @@ void AttendOne(const Problem& p, int64_t row, Scratch& scratch) {
   const int64_t kv_len = std::min<int64_t>(p.kv_lens[row], p.table_width * page_size);
   const int64_t start = p.window > 0 ? std::max<int64_t>(kv_len - p.window, 0) : 0;
   const int64_t count = std::max<int64_t>(kv_len - start, 0);
-  auto& [scores, acc, row_max, row_sum] = scratch;
+  const int32_t* table = p.tables + std::clamp<int64_t>(p.row_seqs[row], 0, p.num_table_rows - 1) * p.table_width;
+  const RowKeys keys{p, table, start, start + count};
+  if (const GroupedFn grouped = GroupedFor(head_dim, p.group)) {
+    grouped(p, keys, out_rows, q_rows, scratch);
+    return;
+  }
+  auto& [scores, acc, row_max, row_sum, unused_parts] = scratch;
   acc.assign(num_heads * head_dim, 0.0f);
   row_max.assign(num_heads, -std::numeric_limits<float>::max());
   row_sum.assign(num_heads, 0.0f);
   scores.resize(count * num_heads);
-  const int32_t* table = p.tables + std::clamp<int64_t>(p.row_seqs[row], 0, p.num_table_rows - 1) * p.table_width;
-  auto page_of = [&](int64_t pos) { return std::clamp<int64_t>(table[pos / page_size], 0, p.num_pages - 1); };
-  const int64_t page_floats = page_size * p.token_stride;
-  // fn(index from start, the key's or value's [KVH, D] row) for keys start..kv_len-1, page by page.
-  auto for_each_key = [&](const float* pages, auto&& fn) {
-    for (int64_t pos = start; pos < kv_len;) {
-      const int64_t page_end = (pos / page_size + 1) * page_size, end = std::min(kv_len, page_end);
-      if (page_end < kv_len) {
-        const float* next = pages + page_of(page_end) * page_floats;
-        for (int64_t line = 0; line < page_floats; line += 16) __builtin_prefetch(next + line);
-      }
-      const float* row = pages + page_of(pos) * page_floats + (pos % page_size) * p.token_stride;
-      for (; pos < end; ++pos, row += p.token_stride) fn(pos - start, row);
-    }
-  };
-  for_each_key(p.k, [&](int64_t i, const float* keys) {
+  keys.ForEach(p.k, [&](int64_t i, const float* key_rows) {
     float* row_scores = scores.data() + i * num_heads;
     for (int64_t h = 0; h < num_heads; ++h) {
       const float* query = q_rows + h * head_dim;
-      const float* key = keys + (h / p.group) * head_dim;
+      const float* key = key_rows + (h / p.group) * head_dim;
       float dot = 0.0f;
       for (int64_t d = 0; d < head_dim; ++d) dot += query[d] * key[d];
       float s = dot * p.scale;
@@ -88,7 +253,7 @@ void AttendOne(const Problem& p, int64_t row, Scratch& scratch) {
       row_sum[h] += e;
     }
   }
-  for_each_key(p.v, [&](int64_t i, const float* values) {
+  keys.ForEach(p.v, [&](int64_t i, const float* values) {
     const float* weights = scores.data() + i * num_heads;
     for (int64_t h = 0; h < num_heads; ++h) {
       const float w = weights[h];
