@@ -63,6 +63,18 @@ def _cpu_kernel_error(engine_cfg: EngineConfig, platform: str) -> str | None:
     return kernel_error()
 
 
+def _cpu_or_xla(setting: str, requested: str, engine_cfg: EngineConfig, platform: str, fallback: str) -> str:
+    """"cpu" when the C++ kernels can run; else an explicit "cpu" is refused and "auto" falls back to
+    XLA, logging why."""
+    reason = _cpu_kernel_error(engine_cfg, platform)
+    if not reason:
+        return "cpu"
+    if requested == "cpu":
+        raise ValueError(f"{setting}='cpu' cannot run this model: {reason}")
+    logger.warning("%s='auto' uses %s: %s", setting, fallback, reason)
+    return "xla"
+
+
 def resolve_attention_backend(requested: str, model_cfg: ModelConfig, engine_cfg: EngineConfig,
                               platform: str | None = None) -> str:
     """Turns the engine's `attention_backend` into one of RESOLVED_BACKENDS for `platform`.
@@ -77,13 +89,7 @@ def resolve_attention_backend(requested: str, model_cfg: ModelConfig, engine_cfg
     if requested == "xla":
         return "xla"
     if requested == "cpu" or (requested == "auto" and platform == "cpu"):
-        reason = _cpu_kernel_error(engine_cfg, platform)
-        if not reason:
-            return "cpu"
-        if requested == "cpu":
-            raise ValueError(f"attention_backend='cpu' cannot run this model: {reason}")
-        logger.warning("attention_backend='auto' uses XLA attention: %s", reason)
-        return "xla"
+        return _cpu_or_xla("attention_backend", requested, engine_cfg, platform, "XLA attention")
     if requested == "auto":
         if platform != "gpu":
             return "xla"
@@ -113,13 +119,7 @@ def resolve_matmul_backend(requested: str, engine_cfg: EngineConfig, platform: s
     platform = platform or jax.default_backend()
     if requested == "auto" and platform != "cpu":
         return "xla"
-    reason = _cpu_kernel_error(engine_cfg, platform)
-    if not reason:
-        return "cpu"
-    if requested == "cpu":
-        raise ValueError(f"matmul_backend='cpu' cannot run this model: {reason}")
-    logger.warning("matmul_backend='auto' uses XLA's dot: %s", reason)
-    return "xla"
+    return _cpu_or_xla("matmul_backend", requested, engine_cfg, platform, "XLA's dot")
 
 
 def paged_attention(

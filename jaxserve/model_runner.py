@@ -116,10 +116,10 @@ class ModelRunner:
         )
 
     def _serving_params(self, params):
-        """forward's layout (per-layer arrays, fused projections). On a CPU the arrays are sliced as
-        zero-copy numpy views and copied once (a jitted conversion took 3.5-4 s to compile and run
-        for the default model); elsewhere the conversion runs on the device. Shapes only for
-        check-lowering."""
+        """forward's layout (per-layer arrays, fused projections; packed for the C++ matmul when
+        matmul_backend is "cpu"). On a CPU the arrays are sliced as zero-copy numpy views and
+        copied once (a jitted conversion took 3.5-4 s to compile and run for the default model);
+        elsewhere the conversion runs on the device. Shapes only for check-lowering."""
         leaves = jax.tree.leaves(params)
         to_serving = functools.partial(serving_params, self.model_cfg, packed=self.matmul_backend == "cpu")
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):

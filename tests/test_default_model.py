@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.cpu_ffi import PackedWeight
+from jaxserve.models.transformer import MATRICES
 from jaxserve.weights import default_model_path
 
 pytestmark = pytest.mark.default_model
@@ -75,6 +77,16 @@ def test_cli_chat_answers_paris():
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Paris" in result.stdout
+
+
+def test_on_a_cpu_the_weights_are_packed_for_the_cpu_matmul_without_a_second_embedding_copy(llm):
+    runner = llm.engine.runner
+    if runner.matmul_backend != "cpu":
+        pytest.skip(f"the CPU kernels are not used here ({runner.matmul_backend} matmuls)")
+    assert all(isinstance(lp[name], PackedWeight) for lp in runner.params["layers"] for name in MATRICES)
+    lm_head = runner.params["lm_head"]
+    assert isinstance(lm_head, PackedWeight) and lm_head.n == runner.model_cfg.vocab_size
+    assert "embed" not in runner.params  # the tied LM head serves the embedding lookup
 
 
 def test_compiled_decode_steps_read_the_weights_in_place(llm):

@@ -31,17 +31,22 @@ def gpu_peak(device_kind: str, dtype: str) -> tuple[float, float] | None:
     return None
 
 
+def _best_seconds(run, repeats: int) -> float:
+    """The shortest of `repeats` timed calls of run(), after one untimed call (compilation, warm-up)."""
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def measure_matmul_flops(size: int = 2048, repeats: int = 10, dtype=jnp.float32) -> float:
     """FLOP/s of a square matmul on the default device, best of `repeats` after a warm-up."""
     a = jnp.ones((size, size), dtype)
     matmul = jax.jit(lambda x, y: x @ y)
-    matmul(a, a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        matmul(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+    return 2 * size**3 / _best_seconds(lambda: matmul(a, a).block_until_ready(), repeats)
 
 
 def measure_packed_matmul_flops(size: int = 2048, repeats: int = 10) -> float | None:
@@ -54,13 +59,7 @@ def measure_packed_matmul_flops(size: int = 2048, repeats: int = 10) -> float | 
     a = jnp.ones((size, size), jnp.float32)
     w = jax.device_put(cpu_ffi.PackedWeight.pack(jnp.ones((size, size), jnp.float32)))
     matmul = jax.jit(cpu_ffi.matmul)
-    matmul(a, w).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        matmul(a, w).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+    return 2 * size**3 / _best_seconds(lambda: matmul(a, w).block_until_ready(), repeats)
 
 
 def measure_torch_matmul_flops(size: int = 2048, repeats: int = 10) -> float | None:
@@ -70,13 +69,7 @@ def measure_torch_matmul_flops(size: int = 2048, repeats: int = 10) -> float | N
     except ImportError:
         return None
     a = torch.ones(size, size)
-    a @ a
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ a
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+    return 2 * size**3 / _best_seconds(lambda: a @ a, repeats)
 
 
 def model_flops(model_cfg, num_prompt_tokens: int, num_output_tokens: int) -> float:
