@@ -34,7 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SOURCES = tuple(Path(__file__).parent / "cpu_kernels" / name for name in ("paged_row_attention.cc", "packed_matmul.cc"))
+KERNELS_DIR = Path(__file__).parent / "cpu_kernels"
+SOURCES = (KERNELS_DIR / "paged_row_attention.cc", KERNELS_DIR / "packed_matmul.cc")
+HEADERS = (KERNELS_DIR / "parallel_for.h",)
 TARGETS = {"jaxserve_paged_row_attention": "JaxservePagedRowAttention", "jaxserve_packed_matmul": "JaxservePackedMatmul"}
 PACK_BLOCK = 48  # columns per packed block: kBlock in packed_matmul.cc, which checks it
 _registered = False  # XLA keeps the first handler registered under a target for the process
@@ -44,7 +46,7 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fass
 
 
 def _library_path(compiler: str) -> Path:
-    key = "|".join([*(source.read_text() for source in SOURCES), compiler, *FLAGS, jax.__version__,
+    key = "|".join([*(source.read_text() for source in SOURCES + HEADERS), compiler, *FLAGS, jax.__version__,
                     platform.machine()])
     root = os.environ.get("JAXSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "jaxserve" / "kernels"
     return Path(root).expanduser() / f"cpu_kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"

@@ -10,17 +10,14 @@
 // XLA's own dot (YNNPACK here) reaches about 47 GFLOP/s at M = 8 on the machine this was written
 // for, a quarter of its large-matmul rate; decode steps are made of such matmuls.
 //
-// Column blocks are handed out from a shared counter to this thread and helpers on XLA's own
-// intra-op thread pool. float32 only.
+// Column blocks are spread over XLA's intra-op threads (parallel_for.h). float32 only.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <utility>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -87,17 +84,6 @@ void Block(const Problem& p, int64_t block, std::integer_sequence<int, R...>) {
   }
 }
 
-struct Shared {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> busy{0};
-};
-
-void Drain(const Problem& p, Shared& shared) {
-  for (int64_t block; (block = shared.next.fetch_add(1)) < p.blocks;) {
-    Block(p, block, std::make_integer_sequence<int, kRows>());
-  }
-}
-
 ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                         ffi::ResultBuffer<ffi::F32> y) {
   const auto x_dims = x.dimensions(), w_dims = w.dimensions(), y_dims = y->dimensions();
@@ -110,17 +96,9 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   }
   const Problem problem{x.typed_data(), w.typed_data(), y->typed_data(), m, k, n, blocks};
   if (m == 0) return ffi::Error::Success();
-  auto shared = std::make_shared<Shared>();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), blocks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) {
-    pool.Schedule([shared, problem] {
-      shared->busy.fetch_add(1);
-      Drain(problem, *shared);
-      shared->busy.fetch_sub(1);
-    });
-  }
-  Drain(problem, *shared);
-  while (shared->busy.load() > 0) std::this_thread::yield();
+  jaxserve::ParallelFor(pool, blocks, [problem] {
+    return [problem](int64_t block) { Block(problem, block, std::make_integer_sequence<int, kRows>()); };
+  });
   return ffi::Error::Success();
 }
 

@@ -3,7 +3,7 @@
 // Every query row (a decode row, or one row of a prompt chunk) attends to its keys 0..kv_len-1,
 // kv_len being the row's own position + 1, read in place from the page arrays
 // [num_layers, num_pages, page_size, num_kv_heads, head_dim] through its sequence's block table.
-// Rows are spread over XLA's intra-op threads; each makes two passes, scores over the keys and
+// Rows are spread over XLA's intra-op threads (parallel_for.h); each makes two passes, scores over the keys and
 // then the softmax-weighted sum of the values, each key and value row read straight from its page.
 // The rows of one prompt chunk share their keys, which stay in the cache from row to row.
 // XLA's gather-based version (attention.py) copies every page first, on one thread.
@@ -12,15 +12,13 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <memory>
-#include <thread>
 #include <utility>
 #include <vector>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -268,19 +266,6 @@ void AttendOne(const Problem& p, int64_t row, Scratch& scratch) {
   }
 }
 
-// Rows are handed out one at a time from a shared counter to this thread and to helpers on
-// XLA's own intra-op thread pool (so nothing oversubscribes the cores XLA's matmuls use). The call
-// returns once every handed-out row is done; a helper that starts late finds no work left.
-struct Shared {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> busy{0};
-};
-
-void Drain(const Problem& p, int64_t num_rows, Shared& shared) {
-  Scratch scratch;
-  for (int64_t row; (row = shared.next.fetch_add(1)) < num_rows;) AttendOne(p, row, scratch);
-}
-
 ffi::Error PagedRowAttention(ffi::ThreadPool pool,
                              ffi::Buffer<ffi::F32> q,               // [R, H, D]
                              ffi::Buffer<ffi::F32> k_pages,         // [L, P, page, KVH, D]
@@ -312,17 +297,9 @@ ffi::Error PagedRowAttention(ffi::ThreadPool pool,
                         block_tables.dimensions()[0], num_heads, head_dim, num_heads / num_kv_heads, num_pages, page_size,
                         num_kv_heads * head_dim, block_tables.dimensions()[1], sliding_window.typed_data()[0],
                         scale, soft_cap};
-  auto shared = std::make_shared<Shared>();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), num_rows) - 1;
-  for (int64_t i = 0; i < helpers; ++i) {
-    pool.Schedule([shared, problem, num_rows] {
-      shared->busy.fetch_add(1);
-      Drain(problem, num_rows, *shared);
-      shared->busy.fetch_sub(1);
-    });
-  }
-  Drain(problem, num_rows, *shared);
-  while (shared->busy.load() > 0) std::this_thread::yield();
+  jaxserve::ParallelFor(pool, num_rows, [problem] {
+    return [problem, scratch = Scratch()](int64_t row) mutable { AttendOne(problem, row, scratch); };
+  });
   return ffi::Error::Success();
 }
 
