@@ -7,8 +7,8 @@
   a step (decode rows and prompt-chunk rows alike) and reads keys and values in place from the pages.
 - `matmul` with a `PackedWeight` (`cpu_kernels/packed_matmul.cc`). XLA:CPU's dot runs the few-row
   matmuls of decode steps at a quarter of its large-matmul rate (47 GFLOP/s at 8 rows against about
-  150 here); with the weights packed in column blocks, the kernel runs them at 2.3x that speed at 8
-  rows, 1.6x at 32, and level with XLA at 512.
+  150 here); with the weights packed in column blocks, the kernel runs them at 2.2-2.5x that speed
+  at 8 rows and 1.6x at 32, and is level with or ahead of XLA's dot at 512 (docs/benchmarks.md).
 
 Both spread their work over XLA's own intra-op threads. They need a C++ compiler (`c++`, or $CXX)
 once: the library is cached under ~/.cache/jaxserve/kernels (JAXSERVE_KERNEL_CACHE moves it), keyed
@@ -37,7 +37,10 @@ import numpy as np
 KERNELS_DIR = Path(__file__).parent / "cpu_kernels"
 SOURCES = (KERNELS_DIR / "paged_row_attention.cc", KERNELS_DIR / "packed_matmul.cc")
 HEADERS = (KERNELS_DIR / "parallel_for.h",)
-TARGETS = {"jaxserve_paged_row_attention": "JaxservePagedRowAttention", "jaxserve_packed_matmul": "JaxservePackedMatmul"}
+TARGETS = {  # FFI target -> handler symbol
+    "jaxserve_paged_row_attention": "JaxservePagedRowAttention",
+    "jaxserve_packed_matmul": "JaxservePackedMatmul",
+}
 PACK_BLOCK = 48  # columns per packed block: kBlock in packed_matmul.cc, which checks it
 _registered = False  # XLA keeps the first handler registered under a target for the process
 _register_lock = threading.Lock()
@@ -113,7 +116,7 @@ class PackedWeight:
 
     @classmethod
     def pack(cls, w) -> PackedWeight:
-        """From w [K, n]; a numpy w is packed on the host (one copy), a jax one (or shapes) by XLA."""
+        """From w [K, n]; a numpy w is packed on the host, a jax one (or shapes) by XLA."""
         xp = np if isinstance(w, np.ndarray) else jnp
         k, n = w.shape
         blocks = -(-n // PACK_BLOCK)

@@ -3,8 +3,10 @@
 // Every query row (a decode row, or one row of a prompt chunk) attends to its keys 0..kv_len-1,
 // kv_len being the row's own position + 1, read in place from the page arrays
 // [num_layers, num_pages, page_size, num_kv_heads, head_dim] through its sequence's block table.
-// Rows are spread over XLA's intra-op threads (parallel_for.h); each makes two passes, scores over the keys and
-// then the softmax-weighted sum of the values, each key and value row read straight from its page.
+// Rows are spread over XLA's intra-op threads (parallel_for.h); each makes two passes, scores over
+// the keys and then the softmax-weighted sum of the values, each key and value row read straight
+// from its page. Common shapes go one KV head at a time (AttendGrouped). Needs GCC 12+ or clang
+// (__builtin_shufflevector); with an older compiler the build fails and the engine keeps XLA.
 // The rows of one prompt chunk share their keys, which stay in the cache from row to row.
 // XLA's gather-based version (attention.py) copies every page first, on one thread.
 //
@@ -70,7 +72,9 @@ Vec ExpNonPositive(Vec x) {
 // folded into one vector of kLanes sums (log2(kLanes) rounds, each pairing vector k with vector
 // k + n/2 by two shuffles and an add) instead of reducing every dot on its own. Round S takes lanes
 // in blocks of S, alternately from a and b; the two shuffles take the first and second S of each 2S.
-constexpr int FoldLane(int lane, int s) { return (lane / s) / 2 * 2 * s + lane % s + ((lane / s) % 2 ? kLanes : 0); }
+constexpr int FoldLane(int lane, int s) {
+  return (lane / s) / 2 * 2 * s + lane % s + ((lane / s) % 2 ? kLanes : 0);
+}
 
 template <int S, int... L>
 Vec FoldPair(Vec a, Vec b, std::integer_sequence<int, L...>) {
@@ -81,7 +85,9 @@ Vec FoldPair(Vec a, Vec b, std::integer_sequence<int, L...>) {
 template <int N>
 void FoldLanes(Vec* v) {
   if constexpr (N > 1) {
-    for (int k = 0; k < N / 2; ++k) v[k] = FoldPair<N / 2>(v[k], v[k + N / 2], std::make_integer_sequence<int, kLanes>());
+    for (int k = 0; k < N / 2; ++k) {
+      v[k] = FoldPair<N / 2>(v[k], v[k + N / 2], std::make_integer_sequence<int, kLanes>());
+    }
     FoldLanes<N / 2>(v);
   }
 }
