@@ -3,12 +3,14 @@
 The kernels run in GPU interpret mode (`attention_backend="pallas-interpret"`) on a tiny random llama
 with head_dim 64 (the tiny test models' head dims of 16 and 32 are below the kernels' minimum) and a
 GQA group of 3. Buckets are kept to one per entry point: interpret-mode steps are slow to compile.
+Where JAX's default backend is a GPU, the compiled kernels run instead, in bfloat16.
 """
 
 from __future__ import annotations
 
 import random
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -18,6 +20,7 @@ import tiny_models
 from jaxserve import LLM, SamplingParams
 from jaxserve.cli import main
 
+ON_GPU = jax.default_backend() == "gpu"
 ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, block_size=16, num_kv_pages=24,
               enable_prefix_caching=True, min_prefill_bucket=32, min_decode_bucket=4)
 
@@ -45,14 +48,15 @@ def _prompts():
     return [{"prompt_token_ids": p} for p in prompts]
 
 
-def _generate(model_dir, backend):
-    llm = LLM(model_dir, attention_backend=backend, **ENGINE)
+def _generate(model_dir, backend, dtype="float32"):
+    llm = LLM(model_dir, attention_backend=backend, dtype=dtype, **ENGINE)
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3)
     first = llm.generate(_prompts()[:4], params, use_tqdm=False)
     second = llm.generate(_prompts()[4:], params, use_tqdm=False)  # after prompt 1 finished: cached pages
     return first + second, llm.engine.get_stats()
 
 
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the compiled kernels are checked instead (next test)")
 def test_pallas_interpret_generates_the_same_greedy_tokens_as_xla(llama64_dir):
     """Through the engine, with chunked prefill (a 40-token prompt, a 32-token budget) and prefix caching
     on, the Pallas kernels give XLA's greedy tokens and logprobs: guards the kernels inside the layer scan,
@@ -73,6 +77,22 @@ def test_pallas_interpret_generates_the_same_greedy_tokens_as_xla(llama64_dir):
     assert len({tuple(r.outputs[0].token_ids) for r in xla}) > 1, "degenerate model: every output the same"
 
 
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU (the interpreted kernels are checked on CPU above)")
+def test_pallas_on_gpu_generates_the_same_greedy_tokens_as_xla(llama64_dir):
+    """The compiled kernels inside the engine, in bfloat16, against XLA's attention on the same GPU:
+    the same scheduling, the same greedy tokens, logprobs within bfloat16 rounding."""
+    xla, xla_stats = _generate(llama64_dir, "xla", dtype="bfloat16")
+    pallas, pallas_stats = _generate(llama64_dir, "pallas", dtype="bfloat16")
+    assert pallas_stats == xla_stats
+    assert pallas_stats["compilations_since_warmup"] == 0
+    for a, b in zip(xla, pallas):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            top = max(lp_a, key=lp_a.get)
+            assert abs(lp_a[top] - lp_b[top]) < 0.1, (lp_a, lp_b)
+    assert len({tuple(r.outputs[0].token_ids) for r in xla}) > 1, "degenerate model: every output the same"
+
+
 def test_unsupported_head_dim_is_refused_at_engine_start(tiny_model_dir):
     """The tiny llama has head_dim 16: an explicit Pallas backend is refused before anything compiles,
     with the reason; the XLA-based backend serves it."""
@@ -83,7 +103,8 @@ def test_unsupported_head_dim_is_refused_at_engine_start(tiny_model_dir):
     from jaxserve.cpu_ffi import kernel_error
 
     # On a CPU in float32: XLA with the C++ decode kernel, or plain XLA where no compiler can build it.
-    assert llm.engine.runner.attention_backend == ("cpu" if kernel_error() is None else "xla")
+    expected = "cpu" if not ON_GPU and kernel_error() is None else "xla"
+    assert llm.engine.runner.attention_backend == expected
 
 
 def test_check_lowering_command(llama64_dir, capsys):
