@@ -40,6 +40,8 @@ def run_jaxserve(prompts, output_len: int, args) -> dict:
     utilization = utilization_lines(llm.engine.model_cfg, llm.engine.runner.params, args.dtype,
                                     sum(map(len, prompts)), output_len * len(prompts),
                                     llm.engine.num_steps - steps_before, elapsed)
+    print(f"jaxserve: {elapsed:.1f} s, {output_len * len(prompts) / elapsed:.1f} output tokens/s", *utilization,
+          sep="\n", flush=True)
     return {"seconds": elapsed, "attention_backend": llm.engine.runner.attention_backend,
             "utilization": utilization,
             "stats": {k: v for k, v in llm.get_stats().items() if k != "compiled_shapes"}}
@@ -101,7 +103,7 @@ def main() -> None:
     prompts = make_prompts(args.num_prompts, tuple(args.input_len), vocab, args.seed)
     num_in = sum(map(len, prompts))
     num_out = args.output_len * len(prompts)
-    results = {"jaxserve": run_jaxserve(prompts, args.output_len, args)}
+    results = {"jaxserve": run_jaxserve(prompts, args.output_len, args)}  # its device memory is freed on return
     if not args.skip_hf:
         results["hf_transformers"] = run_hf(prompts, args.output_len, args.hf_batch_size, args.model, args.dtype)
 
