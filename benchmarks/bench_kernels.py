@@ -1,27 +1,22 @@
-"""Times the Pallas paged-attention kernels on a GPU against the device's peak (and the XLA path).
+"""The Pallas attention kernels compiled for the GPU: parity with the float32 references, and speed
+beside XLA's paged attention (the engine's other backend) on the same device.
 
-Shapes: Llama-3-8B-like attention (32 query heads over 8 KV heads, head_dim 128, bf16 pages of 16
-tokens, one layer's page array, randomly permuted pages, random data).
+    python benchmarks/bench_kernels.py [--repeats 20] [--out results.json]
 
-  decode   one row per sequence, batch 1..256, context 512..32k: time, and achieved HBM bandwidth
-           (bytes of K and V each sequence must read, plus q and the output) against the peak
-  prefill  per sequence a chunk of min(context, 2048) new tokens on top of the rest cached, batch
-           1..16: time, and achieved TFLOP/s (QK^T and PV over the causal key ranges) against the peak
-
-Peaks are datasheet figures (H100 SXM 3.35 TB/s, 989 dense bf16 TFLOP/s; H200 4.8 TB/s, same
-TFLOP/s); --measure-ceilings also times a device-to-device copy and a bf16 matmul as measured
-ceilings. Each time is the median of --repeats calls after --warmup calls, each call synchronized.
-Shapes whose K/V would exceed --max-kv-gib are skipped and listed. Without a GPU the script says so
-and exits 0; --dry-run prints the plan with its byte and FLOP counts, and --smoke runs one tiny shape
-per kernel in interpret mode, both on any machine.
-
-    python benchmarks/bench_kernels.py [--kernels decode prefill] [--repeats 20] [--no-xla]
-                                       [--measure-ceilings] [--dry-run] [--smoke] [--out results.json]
+Needs a Hopper GPU (the kernels use wgmma and TMA); without one it says so and exits 0, and `--smoke`
+runs two tiny cases with the kernels interpreted on the CPU, to check this script (times meaningless). Every case draws fresh random bfloat16 queries,
+keys and values over shuffled pages, checks the kernel against its reference (max |error| and the
+relative Frobenius error over real rows), then times the kernel and XLA's path: median of 20 timed
+calls after a warm-up, each call waited for. Two ceilings are measured first in the same process: a
+device-to-device copy (bytes read + written) and a large bfloat16 matmul. A decode case reads every
+key and value of its sequences once, so its floor is KV bytes / copy bandwidth; a prefill case is
+compute-bound, so it is compared with the matmul rate (causal FLOPs only: masked blocks not counted).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import statistics
@@ -35,71 +30,53 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DTYPE = 32, 8, 128, 16, jnp.bfloat16
-CONTEXTS = (512, 2048, 8192, 32768)
-DECODE_BATCHES = (1, 8, 32, 128, 256)
-PREFILL_BATCHES = (1, 4, 16)
-PREFILL_CHUNK = 2048
-PEAKS = {  # device_kind substring -> (HBM bytes/s, dense bf16 FLOP/s), datasheet
-    "H200": (4.8e12, 989e12),
-    "H100 PCIe": (2.0e12, 756e12),
-    "H100": (3.35e12, 989e12),
-}
+import pallas_kernels as pk  # noqa: E402
+from jaxserve.attention import AttentionMetadata, ragged_paged_attention as xla_attention  # noqa: E402
+
+PAGE_SIZE = 16
 
 
-def plan(kernels, max_kv_gib):
-    """[(kind, batch, context, q_lens, kv_lens)], and the skipped shapes."""
-    cases, skipped = [], []
-    itemsize = jnp.dtype(DTYPE).itemsize
-    for kind in kernels:
-        for context in CONTEXTS:
-            for batch in DECODE_BATCHES if kind == "decode" else PREFILL_BATCHES:
-                kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * itemsize
-                if kv_bytes > max_kv_gib * 2**30:
-                    skipped.append((kind, batch, context))
-                    continue
-                q_len = 1 if kind == "decode" else min(context, PREFILL_CHUNK)
-                cases.append((kind, batch, context, [q_len] * batch, [context] * batch))
-    return cases, skipped
+@dataclasses.dataclass(frozen=True)
+class Case:
+    kind: str  # "decode" (one new row per sequence) or "prefill" (a chunk of new rows per sequence)
+    num_seqs: int
+    q_len: int  # new rows per sequence
+    context: int  # keys per sequence, the new rows included
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def name(self) -> str:
+        return (f"{self.kind} {self.num_seqs}x{self.q_len} ctx {self.context} "
+                f"H{self.num_heads}/{self.num_kv_heads} D{self.head_dim}")
+
+    def kv_bytes(self) -> int:
+        return 2 * self.num_seqs * self.context * self.num_kv_heads * self.head_dim * 2  # K and V, bf16
+
+    def flops(self) -> float:
+        """QK^T and PV over the keys each row attends to (causal)."""
+        cached = self.context - self.q_len
+        keys = sum(cached + i + 1 for i in range(self.q_len))
+        return 4.0 * self.num_seqs * keys * self.num_heads * self.head_dim
 
 
-def work(q_lens, kv_lens):
-    """(bytes the kernel must move at least, FLOPs of QK^T and PV over the causal key ranges)."""
-    itemsize = jnp.dtype(DTYPE).itemsize
-    kv_bytes = sum(2 * n * NUM_KV_HEADS * HEAD_DIM * itemsize for n in kv_lens)
-    qo_bytes = 2 * sum(q_lens) * NUM_HEADS * HEAD_DIM * itemsize
-    keys = sum(sum(kv - q + i + 1 for i in range(q)) for q, kv in zip(q_lens, kv_lens))
-    return kv_bytes + qo_bytes, 4 * NUM_HEADS * HEAD_DIM * keys
+CASES = [  # SmolLM2-135M's attention (9 heads over 3, head_dim 64), then a Llama-3-8B-like one (32 over 8, 128)
+    Case("decode", 32, 1, 512, 9, 3, 64),
+    Case("decode", 256, 1, 512, 9, 3, 64),
+    Case("decode", 64, 1, 4096, 9, 3, 64),
+    Case("decode", 64, 1, 2048, 32, 8, 128),
+    Case("decode", 256, 1, 2048, 32, 8, 128),
+    Case("decode", 8, 1, 32768, 32, 8, 128),
+    Case("prefill", 8, 512, 512, 9, 3, 64),
+    Case("prefill", 4, 1024, 2048, 32, 8, 128),
+    Case("prefill", 2, 4096, 4096, 32, 8, 128),
+]
+SMOKE_CASES = [Case("decode", 3, 1, 40, 4, 2, 64), Case("prefill", 2, 20, 50, 4, 2, 64)]
 
 
-def make_inputs(q_lens, kv_lens, seed=0):
-    from jaxserve.attention import AttentionMetadata
-
-    rng = np.random.default_rng(seed)
-    pages_needed = [-(-n // PAGE_SIZE) for n in kv_lens]
-    num_pages = sum(pages_needed) + 1
-    pool = rng.permutation(num_pages - 1) + 1  # page 0 stays the dummy page
-    pages_per_seq = max(pages_needed)
-    tables = np.zeros((len(kv_lens), pages_per_seq), np.int32)
-    start = 0
-    for s, n in enumerate(pages_needed):
-        tables[s, :n] = pool[start:start + n]
-        start += n
-    cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    key = jax.random.key(seed)
-    kq, kk, kv = jax.random.split(key, 3)
-    shape = (1, num_pages, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    q = jax.random.normal(kq, (int(cu_q_lens[-1]), NUM_HEADS, HEAD_DIM), DTYPE)
-    k_pages = jax.random.normal(kk, shape, DTYPE)
-    v_pages = jax.random.normal(kv, shape, DTYPE)
-    slot_mapping = jnp.zeros(q.shape[0], jnp.int32)  # unused by attention
-    md = AttentionMetadata(slot_mapping, jnp.asarray(cu_q_lens), jnp.asarray(kv_lens, jnp.int32), jnp.asarray(tables))
-    return q, k_pages, v_pages, md
-
-
-def time_it(fn, args, warmup, repeats):
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
+def _median_seconds(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -108,92 +85,111 @@ def time_it(fn, args, warmup, repeats):
     return statistics.median(times)
 
 
-def attention_fns(kind, interpret=False):
-    import pallas_kernels as pk
-    from jaxserve.attention import ragged_paged_attention
-
-    kernel = pk.decode_attention if kind == "decode" else pk.ragged_paged_attention
-    scale = HEAD_DIM**-0.5
-    pallas = jax.jit(lambda q, k, v, md: kernel(q, k, v, 0, md.cu_q_lens, md.kv_lens, md.block_tables, scale=scale,
-                                                interpret=interpret))
-    xla = jax.jit(functools.partial(ragged_paged_attention, layer=0, scale=scale, q_block=1 if kind == "decode" else 16))
-    return pallas, lambda q, k, v, md: xla(q, k, v, md=md)
+def copy_bandwidth(size: int = 2**29, repeats: int = 20) -> float:
+    x = jnp.ones((size,), jnp.bfloat16)  # 1 GiB by default
+    seconds = _median_seconds(jax.jit(lambda a: a + 1), x, repeats=repeats)
+    return 2 * x.nbytes / seconds
 
 
-def measure_ceilings():
-    x = jnp.ones((2**30 // 2,), DTYPE)  # 1 GiB
-    copy = time_it(jax.jit(lambda a: a + 1), (x,), 3, 10)
-    a = jax.random.normal(jax.random.key(0), (8192, 8192), DTYPE)
-    matmul = time_it(jax.jit(lambda a: a @ a), (a,), 3, 10)
-    return 2 * x.nbytes / copy, 2 * 8192**3 / matmul
+def matmul_rate(size: int = 8192, repeats: int = 20) -> float:
+    a = jax.random.normal(jax.random.key(0), (size, size), jnp.bfloat16)
+    seconds = _median_seconds(jax.jit(lambda x: x @ x), a, repeats=repeats)
+    return 2 * size**3 / seconds
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--kernels", nargs="+", default=["decode", "prefill"], choices=["decode", "prefill"])
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--max-kv-gib", type=float, default=16.0)
-    parser.add_argument("--no-xla", action="store_true", help="skip timing the XLA attention path")
-    parser.add_argument("--measure-ceilings", action="store_true")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan only (any machine)")
+def build(case: Case, seed: int):
+    """Random bf16 q/k/v and the metadata of one call, pages shuffled over a pool with spare pages."""
+    rng = np.random.default_rng(seed)
+    pages_per_seq = -(-case.context // PAGE_SIZE)
+    num_pages = case.num_seqs * pages_per_seq + 1  # page 0 stays the engine's dummy page
+    tables = (rng.permutation(num_pages - 1) + 1).reshape(case.num_seqs, pages_per_seq)
+    num_tokens = case.num_seqs * case.q_len
+    cached = case.context - case.q_len
+    md = AttentionMetadata(
+        slot_mapping=jnp.zeros((num_tokens,), jnp.int32),  # unused: the kernels only read pages
+        cu_q_lens=jnp.arange(case.num_seqs + 1, dtype=jnp.int32) * case.q_len,
+        kv_lens=jnp.full((case.num_seqs,), case.context, jnp.int32),
+        block_tables=jnp.asarray(tables, jnp.int32),
+    )
+    key = jax.random.key(seed)
+    kq, kk, kv = jax.random.split(key, 3)
+    shape = (1, num_pages, PAGE_SIZE, case.num_kv_heads, case.head_dim)
+    k = jax.random.normal(kk, shape, jnp.bfloat16)
+    v = jax.random.normal(kv, shape, jnp.bfloat16)
+    q = jax.random.normal(kq, (num_tokens, case.num_heads, case.head_dim), jnp.bfloat16)
+    assert cached >= 0
+    return q, k, v, md
+
+
+def run_case(case: Case, seed: int, repeats: int, interpret: bool) -> dict:
+    q, k, v, md = build(case, seed)
+    scale = case.head_dim**-0.5
+    pallas_fn = pk.decode_attention if case.kind == "decode" else pk.ragged_paged_attention
+    pallas_fn = functools.partial(pallas_fn, interpret=interpret)
+    reference_fn = pk.decode_attention_reference if case.kind == "decode" else pk.ragged_paged_attention_reference
+    args = (q, k, v, 0, md.cu_q_lens, md.kv_lens, md.block_tables)
+    pallas = jax.jit(functools.partial(pallas_fn, scale=scale))
+    xla = jax.jit(functools.partial(xla_attention, scale=scale, decode_only=case.kind == "decode"))
+
+    out = np.asarray(pallas(*args).astype(jnp.float32))
+    result = {"case": case.name, **dataclasses.asdict(case)}
+    if case.num_seqs * case.q_len * case.context <= 2**24:  # the dense reference's memory stays small
+        ref = np.asarray(jax.jit(functools.partial(reference_fn, scale=scale))(*args).astype(jnp.float32))
+        result["max_abs_error"] = float(np.abs(out - ref).max())
+        result["rel_error"] = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+    result["finite"] = bool(np.isfinite(out).all())
+    result["pallas_ms"] = 1e3 * _median_seconds(pallas, *args, repeats=repeats)
+    result["xla_ms"] = 1e3 * _median_seconds(xla, q, k, v, 0, md, repeats=repeats)
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls per measurement (the median is kept)")
     parser.add_argument("--smoke", action="store_true",
-                        help="no GPU needed: one tiny decode and prefill shape, kernels in interpret mode, "
-                             "to check this script; the times mean nothing")
-    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+                        help="no GPU needed: two tiny cases, kernels interpreted, to check this script")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
-
-    cases, skipped = plan(args.kernels, args.max_kv_gib)
-    if args.dry_run:
-        for kind, batch, context, q_lens, kv_lens in cases:
-            nbytes, flops = work(q_lens, kv_lens)
-            print(f"{kind:8s} batch={batch:4d} context={context:6d}  {nbytes / 1e9:8.3f} GB  {flops / 1e12:8.3f} TFLOP")
-        print(f"skipped (K/V over {args.max_kv_gib} GiB): {skipped}")
-        return 0
-    if args.smoke:
-        cases, skipped = [(kind, 2, 40, [1 if kind == "decode" else 8] * 2, [40, 17]) for kind in args.kernels], []
-    elif jax.default_backend() != "gpu":
+    if not args.smoke and jax.default_backend() != "gpu":
         print(f"no GPU here (JAX backend: {jax.default_backend()}): nothing to time. The kernels need an NVIDIA "
-              f"Hopper GPU; `jaxserve check-lowering --platform cuda` checks them without one.")
+              f"Hopper GPU; `jaxserve check-lowering --platform cuda` checks them without one, --smoke runs "
+              f"this script's code on tiny cases.")
         return 0
-
     interpret = jax.default_backend() != "gpu"
+    cases = SMOKE_CASES if args.smoke else CASES
     device = jax.devices()[0]
-    kind_name = device.device_kind
-    peak_bw, peak_flops = next((p for name, p in PEAKS.items() if name in kind_name), (None, None))
-    print(f"device: {kind_name}; datasheet peaks: "
-          + (f"{peak_bw / 1e12:.2f} TB/s, {peak_flops / 1e12:.0f} bf16 TFLOP/s" if peak_bw else "unknown"))
-    results = {"device": kind_name, "peak_bytes_per_s": peak_bw, "peak_flops": peak_flops, "cases": [],
-               "skipped": skipped}
-    if args.measure_ceilings:
-        bw, flops = measure_ceilings()
-        results |= {"measured_copy_bytes_per_s": bw, "measured_matmul_flops": flops}
-        print(f"measured ceilings: copy {bw / 1e12:.2f} TB/s (read + write), bf16 matmul {flops / 1e12:.0f} TFLOP/s")
+    print(f"device: {device.device_kind} (JAX {jax.__version__})", flush=True)
+    if args.smoke:
+        bandwidth, flops = copy_bandwidth(2**20, args.repeats), matmul_rate(256, args.repeats)
+    else:
+        bandwidth, flops = copy_bandwidth(repeats=args.repeats), matmul_rate(repeats=args.repeats)
+    print(f"measured ceilings: copy {bandwidth / 1e12:.2f} TB/s (read + write), "
+          f"bf16 matmul {flops / 1e12:.0f} TFLOP/s", flush=True)
+    results = []
+    for i, case in enumerate(cases):
+        r = run_case(case, seed=i, repeats=args.repeats, interpret=interpret)
+        floor = case.kv_bytes() / bandwidth if case.kind == "decode" else case.flops() / flops
+        r["floor_ms"] = 1e3 * floor
+        results.append(r)
+        print(f"[{i + 1}/{len(cases)}] {case.name}: pallas {r['pallas_ms']:.3f} ms, xla {r['xla_ms']:.3f} ms, "
+              f"error {r.get('max_abs_error', float('nan')):.1e}", flush=True)
 
-    print(f"{'kernel':8s} {'batch':>5s} {'context':>7s} {'pallas ms':>10s} {'xla ms':>9s}  achieved (of peak)")
-    for kind, batch, context, q_lens, kv_lens in cases:
-        pallas, xla = attention_fns(kind, interpret=interpret)
-        inputs = make_inputs(q_lens, kv_lens)
-        nbytes, flops = work(q_lens, kv_lens)
-        t_pallas = time_it(pallas, inputs, args.warmup, args.repeats)
-        t_xla = None if args.no_xla else time_it(xla, inputs, args.warmup, args.repeats)
-        if kind == "decode":
-            achieved, peak, unit = nbytes / t_pallas, peak_bw, "TB/s"
-        else:
-            achieved, peak, unit = flops / t_pallas, peak_flops, "TFLOP/s"
-        share = f" ({100 * achieved / peak:.0f}%)" if peak else ""
-        xla_ms = f"{1e3 * t_xla:9.3f}" if t_xla is not None else f"{'-':>9s}"
-        print(f"{kind:8s} {batch:5d} {context:7d} {1e3 * t_pallas:10.3f} {xla_ms}  {achieved / 1e12:.4f} {unit}{share}",
-              flush=True)
-        results["cases"].append(dict(kernel=kind, batch=batch, context=context, pallas_s=t_pallas, xla_s=t_xla,
-                                     bytes=nbytes, flops=flops))
-        del inputs
-    if interpret:
-        print("(smoke run: kernels interpreted on CPU; these times mean nothing)")
-    if skipped:
-        print(f"skipped (K/V over {args.max_kv_gib} GiB): {skipped}")
+    print("\n| case | Pallas ms | XLA ms | XLA / Pallas | floor ms | Pallas vs floor | max abs err | rel err |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        err = f"{r['max_abs_error']:.1e} | {r['rel_error']:.1e}" if "max_abs_error" in r else "- | -"
+        print(f"| {r['case']} | {r['pallas_ms']:.3f} | {r['xla_ms']:.3f} | {r['xla_ms'] / r['pallas_ms']:.2f}x | "
+              f"{r['floor_ms']:.3f} | {r['floor_ms'] / r['pallas_ms']:.0%} | {err} |")
+    bad = [r["case"] for r in results if not r["finite"] or r.get("rel_error", 0.0) > 1e-2]
     if args.out:
-        args.out.write_text(json.dumps(results, indent=2))
+        with open(args.out, "w") as f:
+            json.dump({"device": device.device_kind, "jax": jax.__version__, "copy_bytes_per_s": bandwidth,
+                       "matmul_flops_per_s": flops, "cases": results}, f, indent=2)
+    if interpret:
+        print("(smoke run: kernels interpreted on the CPU; these times mean nothing)")
+    if bad:
+        print(f"kernel output off its reference in: {bad}")
+        return 1
     return 0
 
 
