@@ -192,12 +192,14 @@ def main() -> None:
     medians = {name: [median_run(per_c[c]) | {"max_concurrency": c} for c in args.concurrency]
                for name, per_c in runs.items()}
     table = format_sweep(medians)
-    ratios = ["| concurrency | output tok/s jaxserve / vLLM | median TTFT jaxserve / vLLM | jaxserve / ceiling |",
-              "|---|---|---|---|"]
+    ratios = ["| concurrency | output tok/s jaxserve / vLLM | median TTFT jaxserve / vLLM | jaxserve / ceiling | "
+              "jaxserve engine busy: in steps / in the model |", "|---|---|---|---|---|"]
     for ours, theirs in zip(medians["jaxserve"], medians["vllm-cpu"]):
+        busy = (f"{ours['engine_busy_fraction']:.0%} / {ours['engine_model_fraction']:.0%}"
+                if "engine_busy_fraction" in ours else "-")
         ratios.append(f"| {ours['max_concurrency']} | {ours['output_throughput'] / theirs['output_throughput']:.2f}x | "
                       f"{ours['median_ttft_ms'] / theirs['median_ttft_ms']:.2f}x | "
-                      f"{ours['output_throughput'] / ceiling:.0%} |")
+                      f"{ours['output_throughput'] / ceiling:.0%} | {busy} |")
     machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}"
     text = "\n".join([
         f"SmolLM2-135M-Instruct, float32; random prompts of {args.input_len} tokens, {args.output_len} output "

@@ -11,6 +11,7 @@ import itertools
 import logging
 import random
 import threading
+import time
 
 from jaxserve.compilation import forbid_compilation, num_compilations
 from jaxserve.config import EngineConfig
@@ -50,6 +51,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.last_schedule = None  # the most recent SchedulerOutput, for tests and debugging
         self.num_steps = 0  # steps that ran the model
+        self.step_seconds = 0.0  # wall time inside those steps: scheduling, the model, detokenizing
+        self.model_seconds = 0.0  # of which building inputs, running the model and fetching the tokens
         self._compilations_after_warmup: int | None = None
         logger.info("max concurrent tokens in the KV pool: %d", self.runner.max_concurrent_tokens)
 
@@ -126,6 +129,7 @@ class LLMEngine:
         return self._step()
 
     def _step(self) -> list[Request]:
+        start = time.perf_counter()
         output = self.scheduler.schedule()
         self.last_schedule = output
         if not output.scheduled:
@@ -133,12 +137,15 @@ class LLMEngine:
         self.num_steps += 1
         seqs = [self._scheduled_seq(request, n) for request, n in output.scheduled]
         with_logprobs = any(r.sampling_params.logprobs is not None for r, _ in output.scheduled)
+        model_start = time.perf_counter()
         sampled = self.runner.fetch(self.runner.execute(seqs), len(seqs), with_logprobs)
+        self.model_seconds += time.perf_counter() - model_start
         updated = self.scheduler.update_from_output(output, sampled)
         for request in updated:
             self._detokenize(request)
             if request.status.is_finished:
                 self.requests.pop(request.request_id, None)
+        self.step_seconds += time.perf_counter() - start
         return updated
 
     def _scheduled_seq(self, request: Request, num_new: int) -> ScheduledSeq:
@@ -165,7 +172,8 @@ class LLMEngine:
             self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
 
     def get_stats(self) -> dict:
-        """Counters: prompt tokens computed vs found in the prefix cache, preemptions, pages, compiles."""
+        """Counters: prompt tokens computed vs found in the prefix cache, preemptions, pages, compiles, and
+        the time spent in steps (`step_seconds`) and, of that, in the model (`model_seconds`)."""
         scheduler, pool = self.scheduler, self.pool
         return {
             "num_running": len(scheduler.running),
@@ -176,6 +184,8 @@ class LLMEngine:
             "prefix_cache_hits": pool.num_hit_tokens,
             "num_preemptions": scheduler.num_preemptions,
             "num_steps": self.num_steps,
+            "step_seconds": self.step_seconds,
+            "model_seconds": self.model_seconds,
             "num_pages": pool.num_pages - 1,
             "num_used_pages": pool.num_used_pages,
             "num_cached_pages": pool.num_cached_pages,

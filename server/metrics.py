@@ -33,6 +33,10 @@ class _EngineCollector:
             "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", stats["prefix_cache_queries"]),
             "prefix_cache_hits": ("Prompt tokens found in the prefix cache", stats["prefix_cache_hits"]),
             "num_preemptions": ("Requests preempted for lack of KV pages", stats["num_preemptions"]),
+            "engine_steps": ("Engine steps that ran the model", stats["num_steps"]),
+            "engine_step_seconds": ("Wall time inside engine steps (busy time)", stats["step_seconds"]),
+            "engine_model_seconds": ("Of the step time, building inputs, running the model and fetching "
+                                     "the sampled tokens", stats["model_seconds"]),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=value)

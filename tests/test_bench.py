@@ -124,6 +124,10 @@ def test_bench_serve_sweep_agrees_with_the_servers_counters(server, tiny_model_d
     assert prompted == sum(r["total_input_tokens"] for r in runs)
     assert "| server | 4 |" in run.stdout
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # against jaxserve: the engine's busy time over the timed part, read from /metrics
+    for r in runs:
+        assert 0 < r["engine_model_fraction"] <= r["engine_busy_fraction"] <= 1.05, r
+    assert run.stdout.count("| jaxserve engine busy: in steps / in the model |") == 2
 
 
 def test_bench_serve_chat_endpoint(server, tiny_model_dir, tmp_path):

@@ -593,6 +593,9 @@ def test_metrics_counters_match_the_requests_sent(client, http, url):
     assert metric(after, "jaxserve:num_requests_running") == 0
     assert metric(after, "jaxserve:num_requests_waiting") == 0
     assert metric(after, "jaxserve:kv_cache_usage_perc") == 0
+    # one request at a time: a step per generated token at least, and the model's time inside the steps'
+    assert delta("engine_steps_total") >= sum(u.completion_tokens for u in usages)
+    assert delta("engine_step_seconds_total") >= delta("engine_model_seconds_total") > 0
 
 
 def test_health_answers_fast_while_the_engine_is_busy(client, url):

@@ -70,6 +70,9 @@ def format_summary(summary: dict, title: str = "serving benchmark") -> str:
     for name in LATENCIES:
         lines.append(f"| {name.upper()} mean / median / p99 (ms) | {summary[f'mean_{name}_ms']:.1f} / "
                      f"{summary[f'median_{name}_ms']:.1f} / {summary[f'p99_{name}_ms']:.1f} |")
+    if "engine_busy_fraction" in summary:
+        lines.append(f"| jaxserve engine busy: in steps / in the model | {summary['engine_busy_fraction']:.0%} / "
+                     f"{summary['engine_model_fraction']:.0%} |")
     if "first_error" in summary:
         lines.append(f"| first error | {summary['first_error'][:200]} |")
     return "\n".join(lines)

@@ -4,6 +4,8 @@ It streams every request (so it can time the first token and the gaps between ch
 usage in the last chunk, keeps at most --max-concurrency requests in flight, and spaces arrivals
 by a Poisson process of --request-rate (inf: all at once). `--sweep 1 8 32` repeats the run at each
 concurrency and adds one table and, with --plot, a PNG of throughput and latency vs concurrency.
+Against a jaxserve server it also reads the engine's busy time from /metrics around the timed part
+and reports which fraction of the run the engine spent in steps, and in the model itself.
 """
 
 from __future__ import annotations
@@ -78,11 +80,33 @@ async def send_request(client, url: str, body: dict, request: BenchRequest) -> R
     return result
 
 
+ENGINE_SECONDS = ("jaxserve:engine_step_seconds_total", "jaxserve:engine_model_seconds_total")
+
+
+async def engine_seconds(client, base_url: str) -> tuple[float, float] | None:
+    """A jaxserve server's engine time so far (in steps, in the model), from /metrics; None elsewhere."""
+    import httpx
+
+    try:
+        response = await client.get(base_url.rstrip("/") + "/metrics")
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    values = {}
+    for line in response.text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ENGINE_SECONDS:
+            values[name] = float(value)
+    return tuple(values[name] for name in ENGINE_SECONDS) if len(values) == len(ENGINE_SECONDS) else None
+
+
 async def run_once(base_url: str, endpoint: str, model: str, requests: list[BenchRequest], *,
                    max_concurrency: int | None, request_rate: float, ignore_eos: bool, seed: int,
                    warmups: list[BenchRequest] = (), api_key: str | None = None,
-                   progress: bool = True) -> tuple[list, float]:
-    """Sends every request; returns (results in dataset order, wall seconds from first send to last answer)."""
+                   progress: bool = True) -> tuple[list, float, dict]:
+    """Sends every request; returns (results in dataset order, wall seconds from first send to last answer,
+    the engine's busy fractions over those seconds: empty unless the server is jaxserve)."""
     import httpx
 
     url = base_url.rstrip("/") + ("/v1/chat/completions" if endpoint == "chat" else "/v1/completions")
@@ -109,6 +133,7 @@ async def run_once(base_url: str, endpoint: str, model: str, requests: list[Benc
             bar.update(1)
             return result
 
+        busy_before = await engine_seconds(client, base_url)
         start = time.perf_counter()
         tasks = []
         for request in requests:
@@ -118,7 +143,12 @@ async def run_once(base_url: str, endpoint: str, model: str, requests: list[Benc
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         bar.close()
-    return results, duration
+        busy_after = await engine_seconds(client, base_url) if busy_before else None
+    engine = {}
+    if busy_before and busy_after:
+        engine = {"engine_busy_fraction": (busy_after[0] - busy_before[0]) / duration,
+                  "engine_model_fraction": (busy_after[1] - busy_before[1]) / duration}
+    return results, duration, engine
 
 
 def served_model(base_url: str, api_key: str | None) -> str:
@@ -161,11 +191,12 @@ def run(args: argparse.Namespace) -> dict:
     concurrencies = args.sweep or [args.max_concurrency]
     summaries = []
     for concurrency in concurrencies:
-        results, duration = asyncio.run(run_once(
+        results, duration, engine = asyncio.run(run_once(
             base_url, args.endpoint, model, requests, max_concurrency=concurrency,
             request_rate=args.request_rate, ignore_eos=args.ignore_eos, seed=args.seed,
             warmups=warmups, api_key=api_key, progress=not args.no_progress))
-        summary = summarize(results, duration) | {"max_concurrency": concurrency, "request_rate": args.request_rate}
+        summary = summarize(results, duration) | engine | {"max_concurrency": concurrency,
+                                                             "request_rate": args.request_rate}
         summaries.append(summary)
         print(format_summary(summary, f"{args.label} at concurrency {concurrency or 'inf'}"), flush=True)
     if args.sweep:
