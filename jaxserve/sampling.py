@@ -113,7 +113,7 @@ class SamplingTensors(NamedTuple):
 
 class SamplerOutput(NamedTuple):
     token_ids: jax.Array  # [S] int32
-    logprobs: jax.Array  # [S] f32, of the sampled token
+    logprobs: jax.Array  # [S] f32, of the sampled token (zeros unless some row wanted logprobs)
     top_ids: jax.Array  # [S, MAX_LOGPROBS] int32 (zeros unless some row wanted logprobs)
     top_logprobs: jax.Array  # [S, MAX_LOGPROBS] f32
 
@@ -164,10 +164,28 @@ def _truncation_threshold(scaled, probs, top_k, top_p):
     return jnp.where(off, -jnp.inf, threshold)
 
 
+_ARGMAX_BLOCK = 128
+
+
 def _argmax(x):
-    """First index of the row maximum; XLA:CPU's argmax is 2-3x slower than max + masked min."""
-    ids = jnp.arange(x.shape[-1], dtype=jnp.int32)
-    return jnp.min(jnp.where(x == jnp.max(x, axis=-1, keepdims=True), ids, x.shape[-1]), axis=-1)
+    """First index of the row maximum of x [S, vocab].
+
+    XLA:CPU's argmax, and a masked min of the indices over the whole row, are several times slower than
+    a max; so the row is cut into blocks of 128: a max per block, then the first index in the first block
+    that holds the row's maximum. A row without one (NaN) gives the last index.
+    """
+    num_seqs, vocab = x.shape
+    pad = -vocab % _ARGMAX_BLOCK
+    if pad:
+        x = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+    blocks = x.reshape(num_seqs, -1, _ARGMAX_BLOCK)
+    block_max = blocks.max(axis=-1)  # [S, num_blocks]
+    row_max = block_max.max(axis=-1, keepdims=True)
+    num_blocks = block_max.shape[1]
+    first = jnp.min(jnp.where(block_max == row_max, jnp.arange(num_blocks), num_blocks - 1), axis=-1)
+    block = jnp.take_along_axis(blocks, first[:, None, None], axis=1)[:, 0]  # [S, 128]
+    within = jnp.min(jnp.where(block == row_max, jnp.arange(_ARGMAX_BLOCK), _ARGMAX_BLOCK - 1), axis=-1)
+    return jnp.minimum(first * _ARGMAX_BLOCK + within, vocab - 1).astype(jnp.int32)
 
 
 def _sample_random(processed, t: SamplingTensors):
@@ -195,7 +213,8 @@ def sample(logits, t: SamplingTensors) -> SamplerOutput:
     """Samples one token per row from logits [S, vocab] f32.
 
     A batch of greedy rows only (the common serving case) skips the softmax, truncation and noise
-    passes over the vocabulary; logprobs are of the raw logits, as vLLM reports them.
+    passes over the vocabulary, and a batch with no logit bias and no logprobs skips those passes too;
+    logprobs are of the raw logits, as vLLM reports them.
     """
     num_seqs, vocab = logits.shape
     processed = jax.lax.cond(
@@ -203,7 +222,10 @@ def sample(logits, t: SamplingTensors) -> SamplerOutput:
         apply_penalties, lambda logits, t: logits, logits, t,
     )
     rows = jnp.arange(num_seqs)[:, None]
-    processed = processed.at[rows, t.bias_ids].add(t.bias_values, mode="drop")
+    processed = jax.lax.cond(  # logit_bias, and min_tokens' suppressed stop tokens
+        jnp.any(t.bias_values != 0),
+        lambda p: p.at[rows, t.bias_ids].add(t.bias_values, mode="drop"), lambda p: p, processed,
+    )
     greedy = _argmax(processed)
     tokens = jax.lax.cond(
         jnp.any(t.temperature > 0),
@@ -211,11 +233,15 @@ def sample(logits, t: SamplingTensors) -> SamplerOutput:
         lambda: greedy,
     ).astype(jnp.int32)
 
-    log_normalizer = jax.nn.logsumexp(logits, axis=-1)
-    token_logprobs = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_normalizer
-    top_logprobs, top_ids = jax.lax.cond(
-        jnp.any(t.want_logprobs),
-        lambda: tuple(jax.lax.top_k(logits - log_normalizer[:, None], MAX_LOGPROBS)),
-        lambda: (jnp.zeros((num_seqs, MAX_LOGPROBS), logits.dtype), jnp.zeros((num_seqs, MAX_LOGPROBS), jnp.int32)),
-    )
-    return SamplerOutput(tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs)
+    def logprobs():
+        log_normalizer = jax.nn.logsumexp(logits, axis=-1)
+        token_logprobs = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_normalizer
+        top_logprobs, top_ids = jax.lax.top_k(logits - log_normalizer[:, None], MAX_LOGPROBS)
+        return token_logprobs, top_ids.astype(jnp.int32), top_logprobs
+
+    def none():
+        return (jnp.zeros((num_seqs,), logits.dtype), jnp.zeros((num_seqs, MAX_LOGPROBS), jnp.int32),
+                jnp.zeros((num_seqs, MAX_LOGPROBS), logits.dtype))
+
+    token_logprobs, top_ids, top_logprobs = jax.lax.cond(jnp.any(t.want_logprobs), logprobs, none)
+    return SamplerOutput(tokens, token_logprobs, top_ids, top_logprobs)

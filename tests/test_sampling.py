@@ -22,7 +22,8 @@ import transformers
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.model_runner import ModelRunner
-from jaxserve.sampling import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingTensors, apply_penalties, sample
+from jaxserve.sampling import (MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingTensors, _argmax, apply_penalties,
+                               sample)
 
 VOCAB = 32  # direct tests; >= MAX_LOGPROBS, since the logprobs branch is traced for every call
 HISTORY_LEN = 128  # the model runner sizes `history` as max_model_len
@@ -192,6 +193,23 @@ def test_row_results_do_not_depend_on_the_batch():
     permuted = _sample(logits[perm], SamplingTensors(*(np.asarray(a)[perm] for a in t)))
     np.testing.assert_array_equal(np.asarray(out.token_ids)[perm], np.asarray(permuted.token_ids))
     np.testing.assert_array_equal(np.asarray(out.logprobs)[perm], np.asarray(permuted.logprobs))
+
+
+@pytest.mark.parametrize("vocab", [1, 127, 128, 300, 1000, 49152])
+def test_blocked_argmax_is_the_first_index_of_the_maximum(vocab):
+    """The sampler's greedy argmax (a max per block of 128, then the first index in the first block with
+    the row max) against numpy's argmax: ties inside a block and across blocks, the maximum in the padded
+    last block, rows of -inf; a NaN row still gives an index inside the vocabulary."""
+    rng = np.random.default_rng(vocab)
+    x = rng.integers(-3, 4, (12, vocab)).astype(np.float32)  # few distinct values: many ties
+    x[1] = rng.standard_normal(vocab)
+    x[2, -1] = 100.0  # the maximum at the very end (the padded block when vocab % 128 != 0)
+    x[3] = -np.inf
+    x[4, [0, vocab - 1]] = 50.0  # a tie between the first and the last index
+    x[5, vocab // 2:] = 60.0  # a run of ties starting mid-row
+    np.testing.assert_array_equal(np.asarray(jax.jit(_argmax)(x)), np.argmax(x, axis=-1))
+    x[6] = np.nan
+    assert 0 <= int(jax.jit(_argmax)(x)[6]) < vocab
 
 
 def _reference_penalties(logits, history, prompt_len, repetition, frequency, presence):
