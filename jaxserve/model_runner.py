@@ -29,7 +29,8 @@ from jaxserve import compilation
 from jaxserve.attention import AttentionMetadata
 from jaxserve.attention_backends import resolve_attention_backend, resolve_matmul_backend
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.models.transformer import forward, init_kv_cache, kv_bytes_per_token, serving_params
+from jaxserve.models.transformer import (forward, init_kv_cache, kv_bytes_per_token, rope_position_tables,
+                                         serving_params)
 from jaxserve.sampling import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplerOutput, SamplingParams, SamplingTensors, sample
 
 logger = logging.getLogger(__name__)
@@ -117,16 +118,17 @@ class ModelRunner:
 
     def _serving_params(self, params):
         """forward's layout (per-layer arrays, fused projections; packed for the C++ matmul when
-        matmul_backend is "cpu"). On a CPU the arrays are sliced as zero-copy numpy views and
+        matmul_backend is "cpu"), with the rope tables of every position up to max_model_len. On a CPU the arrays are sliced as zero-copy numpy views and
         copied once (a jitted conversion took 3.5-4 s to compile and run for the default model);
         elsewhere the conversion runs on the device. Shapes only for check-lowering."""
         leaves = jax.tree.leaves(params)
         to_serving = functools.partial(serving_params, self.model_cfg, packed=self.matmul_backend == "cpu")
+        rope = functools.partial(rope_position_tables, self.model_cfg, self.cfg.max_model_len)
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
-            return jax.eval_shape(to_serving, params)
+            return jax.eval_shape(to_serving, params) | jax.eval_shape(rope)
         if all(device.platform == "cpu" for x in leaves for device in x.devices()):
-            return jax.tree.map(jnp.asarray, to_serving(jax.tree.map(np.asarray, params)))
-        return jax.jit(to_serving)(params)
+            return jax.tree.map(jnp.asarray, to_serving(jax.tree.map(np.asarray, params))) | rope()
+        return jax.jit(to_serving)(params) | rope()
 
     def _num_pages(self) -> int:
         if self.cfg.num_kv_pages is not None:

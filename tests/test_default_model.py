@@ -89,6 +89,16 @@ def test_on_a_cpu_the_weights_are_packed_for_the_cpu_matmul_without_a_second_emb
     assert "embed" not in runner.params  # the tied LM head serves the embedding lookup
 
 
+def test_rope_is_looked_up_not_evaluated_in_every_layer(llm):
+    """The compiled steps read cos and sin from the engine's per-position tables: no cosine is left in
+    any executable. (Computed once per step instead, XLA fused cos and sin into each layer's rotation,
+    60 cosines per executable, about 38 ms of a 512-token step.)"""
+    runner = llm.engine.runner
+    assert runner.params["rope"][0].shape == (runner.cfg.max_model_len, runner.model_cfg.head_dim // 2)
+    for key, exe in runner._executables.items():
+        assert exe.as_text().count(" cosine(") == 0, key
+
+
 def test_compiled_decode_steps_read_the_weights_in_place(llm):
     """No decode step allocates room for a layer's weights: each layer's matmuls read that layer's own
     arrays. (A `lax.scan` over stacked layers made XLA:CPU copy every layer's weights out of the stack on

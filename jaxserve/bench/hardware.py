@@ -82,7 +82,9 @@ def model_flops(model_cfg, num_prompt_tokens: int, num_output_tokens: int) -> fl
 
 
 def param_bytes(params) -> int:
-    return sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    """Bytes of the model's weights (the engine's rope tables left out)."""
+    weights = {k: v for k, v in params.items() if k not in ("rope", "local_rope")} if isinstance(params, dict) else params
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(weights))
 
 
 def utilization_lines(model_cfg, params, dtype: str, num_prompt_tokens: int, num_output_tokens: int,

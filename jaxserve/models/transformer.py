@@ -55,6 +55,17 @@ def rope_tables(inv_freq: np.ndarray, positions):
     return jnp.cos(angles), jnp.sin(angles)
 
 
+def rope_position_tables(cfg: ModelConfig, max_positions: int) -> dict:
+    """cos and sin [max_positions, D/2] of every position, for the model's rope (and local rope), built
+    once at engine start; `forward` looks its positions up in them. Computed per step instead, XLA
+    fuses cos and sin into every layer's rotation and evaluates them there again for every head."""
+    positions = jnp.arange(max_positions)
+    tables = {"rope": rope_tables(cfg.rope.inv_freq(cfg.head_dim), positions)}
+    if cfg.local_rope is not None:
+        tables["local_rope"] = rope_tables(cfg.local_rope.inv_freq(cfg.head_dim), positions)
+    return tables
+
+
 def apply_rope(x, cos, sin):
     """Rotates halves (the Hugging Face convention, not interleaved pairs). x: [T, heads, D]."""
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -167,10 +178,14 @@ def forward(
     if cfg.embed_scale != 1.0:
         h = h * jnp.asarray(cfg.embed_scale, h.dtype)
 
-    global_rope = rope_tables(cfg.rope.inv_freq(cfg.head_dim), positions)
-    local_rope = global_rope
-    if cfg.local_rope is not None:
-        local_rope = rope_tables(cfg.local_rope.inv_freq(cfg.head_dim), positions)
+    if "rope" in params:  # the engine's tables (rope_position_tables)
+        global_rope = tuple(table[positions] for table in params["rope"])
+        local_rope = tuple(table[positions] for table in params["local_rope"]) if "local_rope" in params else global_rope
+    else:
+        global_rope = rope_tables(cfg.rope.inv_freq(cfg.head_dim), positions)
+        local_rope = global_rope
+        if cfg.local_rope is not None:
+            local_rope = rope_tables(cfg.local_rope.inv_freq(cfg.head_dim), positions)
     k_pages, v_pages = kv_cache
     for layer_id, lp in enumerate(params["layers"]):
         sliding = bool(cfg.layer_is_sliding[layer_id])
