@@ -4,7 +4,8 @@ beside XLA's paged attention (the engine's other backend) on the same device.
     python benchmarks/bench_kernels.py [--repeats 20] [--out results.json]
 
 Needs a Hopper GPU (the kernels use wgmma and TMA); without one it says so and exits 0, and `--smoke`
-runs two tiny cases with the kernels interpreted on the CPU, to check this script (times meaningless). Every case draws fresh random bfloat16 queries,
+runs two tiny cases with the kernels interpreted on the CPU, to check this script (times meaningless).
+Every case draws fresh random bfloat16 queries,
 keys and values over shuffled pages, checks the kernel against its reference (max |error| and the
 relative Frobenius error over real rows), then times the kernel and XLA's path: median of 20 timed
 calls after a warm-up, each call waited for. Two ceilings are measured first in the same process: a

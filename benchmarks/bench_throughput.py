@@ -108,7 +108,8 @@ def main() -> None:
         results["hf_transformers"] = run_hf(prompts, args.output_len, args.hf_batch_size, args.model, args.dtype)
 
     print(f"\n{len(prompts)} prompts, input {args.input_len[0]}..{args.input_len[1]} "
-          f"(mean {statistics.mean(map(len, prompts)):.0f}), output {args.output_len}, {args.dtype}, greedy, EOS ignored, "
+          f"(mean {statistics.mean(map(len, prompts)):.0f}), output {args.output_len}, {args.dtype}, greedy, "
+          f"EOS ignored, "
           f"jaxserve attention {results['jaxserve']['attention_backend']}\n")
     print("| engine | seconds | requests/s | output tokens/s | total tokens/s |")
     print("|---|---|---|---|---|")

@@ -118,9 +118,10 @@ class ModelRunner:
 
     def _serving_params(self, params):
         """forward's layout (per-layer arrays, fused projections; packed for the C++ matmul when
-        matmul_backend is "cpu"), with the rope tables of every position up to max_model_len. On a CPU the arrays are sliced as zero-copy numpy views and
-        copied once (a jitted conversion took 3.5-4 s to compile and run for the default model);
-        elsewhere the conversion runs on the device. Shapes only for check-lowering."""
+        matmul_backend is "cpu"), with the rope tables of every position up to max_model_len. On a CPU
+        the arrays are sliced as zero-copy numpy views and copied once (a jitted conversion took 3.5-4 s
+        to compile and run for the default model); elsewhere the conversion runs on the device. Shapes
+        only for check-lowering."""
         leaves = jax.tree.leaves(params)
         to_serving = functools.partial(serving_params, self.model_cfg, packed=self.matmul_backend == "cpu")
         rope = functools.partial(rope_position_tables, self.model_cfg, self.cfg.max_model_len)

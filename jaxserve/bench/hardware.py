@@ -83,8 +83,9 @@ def model_flops(model_cfg, num_prompt_tokens: int, num_output_tokens: int) -> fl
 
 def param_bytes(params) -> int:
     """Bytes of the model's weights (the engine's rope tables left out)."""
-    weights = {k: v for k, v in params.items() if k not in ("rope", "local_rope")} if isinstance(params, dict) else params
-    return sum(leaf.nbytes for leaf in jax.tree.leaves(weights))
+    if isinstance(params, dict):
+        params = {k: v for k, v in params.items() if k not in ("rope", "local_rope")}
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(params))
 
 
 def utilization_lines(model_cfg, params, dtype: str, num_prompt_tokens: int, num_output_tokens: int,

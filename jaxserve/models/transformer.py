@@ -180,7 +180,9 @@ def forward(
 
     if "rope" in params:  # the engine's tables (rope_position_tables)
         global_rope = tuple(table[positions] for table in params["rope"])
-        local_rope = tuple(table[positions] for table in params["local_rope"]) if "local_rope" in params else global_rope
+        local_rope = global_rope
+        if "local_rope" in params:
+            local_rope = tuple(table[positions] for table in params["local_rope"])
     else:
         global_rope = rope_tables(cfg.rope.inv_freq(cfg.head_dim), positions)
         local_rope = global_rope
