@@ -251,6 +251,9 @@ def check_vllm_client(vllm_python: Path, args, concurrency: int) -> dict:
              "--model", "SmolLM2-135M-Instruct", "--tokenizer", str(args.hf_dir), "--dataset-name", "random",
              "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
              "--num-prompts", str(num_prompts), "--ignore-eos", "--max-concurrency", str(concurrency),
+             # greedy, as `jaxserve bench serve` asks: without it vLLM's client leaves the temperature to
+             # the server (1.0 by the OpenAI API), and the two clients would time different work
+             "--temperature", "0",
              "--seed", str(seed), "--save-result", "--result-dir", str(result_dir), "--result-filename", name],
             env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"}, stdout=subprocess.DEVNULL)
         theirs.append(json.loads((result_dir / name).read_text())["output_throughput"])
