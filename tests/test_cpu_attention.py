@@ -36,10 +36,20 @@ CASES = [  # head_dim, page_size, group (query heads per kv head), sliding windo
 ]
 
 
-@pytest.mark.parametrize("lengths", ["ragged", "decode"])
+def long_chunk_lengths(page_size: int) -> list[tuple[int, int]]:
+    """(q_len, num_cached): prompt chunks long enough for several of the kernel's tiles (a tile holds
+    48 // group tokens with AVX-512, 16 // group with AVX2) and a remainder, short runs of rows that
+    go one by one, and decode rows between them."""
+    return [(1, 40), (100, 0), (37, 150 - page_size), (5, 20), (2, 9), (1, 3), (4, 0)]
+
+
+LENGTHS = {"ragged": ragged_lengths, "decode": decode_lengths, "long": long_chunk_lengths}
+
+
+@pytest.mark.parametrize("lengths", ["ragged", "decode", "long"])
 @pytest.mark.parametrize("head_dim,page_size,group,window,soft_cap", CASES)
 def test_cpu_kernel_matches_the_reference(head_dim, page_size, group, window, soft_cap, lengths):
-    lengths = (ragged_lengths if lengths == "ragged" else decode_lengths)(page_size)
+    lengths = LENGTHS[lengths](page_size)
     q, k, v, md, real_tokens = build_case(lengths, page_size=page_size, head_dim=head_dim, group=group,
                                           dtype="float32", seed=3)
     kw = dict(scale=head_dim ** -0.5, sliding_window=window, soft_cap=soft_cap)

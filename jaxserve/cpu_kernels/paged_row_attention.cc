@@ -3,11 +3,13 @@
 // Every query row (a decode row, or one row of a prompt chunk) attends to its keys 0..kv_len-1,
 // kv_len being the row's own position + 1, read in place from the page arrays
 // [num_layers, num_pages, page_size, num_kv_heads, head_dim] through its sequence's block table.
-// Rows are spread over XLA's intra-op threads (parallel_for.h); each makes two passes, scores over
-// the keys and then the softmax-weighted sum of the values, each key and value row read straight
-// from its page. Common shapes go one KV head at a time (AttendGrouped). Needs GCC 12+ or clang
+// Work is spread over XLA's intra-op threads (parallel_for.h). A single row (a decode row) makes two
+// passes, scores over the keys and then the softmax-weighted sum of the values, each key and value
+// row read straight from its page; common shapes go one KV head at a time (AttendGrouped). The rows
+// of a prompt chunk (one sequence at consecutive positions) share their keys: they go in tiles of
+// several tokens, one KV head at a time, as two small matrix products (AttendTile), so each key and
+// value is loaded once per tile rather than once per row. Needs GCC 12+ or clang
 // (__builtin_shufflevector); with an older compiler the build fails and the engine keeps XLA.
-// The rows of one prompt chunk share their keys, which stay in the cache from row to row.
 // XLA's gather-based version (attention.py) copies every page first, on one thread.
 //
 // float32 only. A row with kv_len 0 (padding) gets zeros.
@@ -17,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -95,6 +98,8 @@ void FoldLanes(Vec* v) {
 struct Scratch {
   std::vector<float> scores, acc, row_max, row_sum;
   std::vector<Vec> parts;
+  std::vector<float> tile_queries, tile_scores, tile_inv_sums;  // AttendTile's
+  std::vector<const float*> key_rows, value_rows;
 };
 
 // The keys start..kv_len-1 of one row, page by page through its block table.
@@ -232,7 +237,10 @@ void AttendOne(const Problem& p, int64_t row, Scratch& scratch) {
     grouped(p, keys, out_rows, q_rows, scratch);
     return;
   }
-  auto& [scores, acc, row_max, row_sum, unused_parts] = scratch;
+  auto& scores = scratch.scores;
+  auto& acc = scratch.acc;
+  auto& row_max = scratch.row_max;
+  auto& row_sum = scratch.row_sum;
   acc.assign(num_heads * head_dim, 0.0f);
   row_max.assign(num_heads, -std::numeric_limits<float>::max());
   row_sum.assign(num_heads, 0.0f);
@@ -272,6 +280,163 @@ void AttendOne(const Problem& p, int64_t row, Scratch& scratch) {
   }
 }
 
+// A tile: `tokens` consecutive rows of one sequence, row first_row + t at kv_len first_kv_len + t,
+// attended for one KV head. Its tokens x G queries (lane = token * G + head in group) lie across
+// kTileVectors vectors, so both passes are register-blocked matrix products:
+//   scores [keys, lanes] = keys [keys, D] . queries^T [D, lanes], kKeyBlock keys at a time, a key's
+//   element broadcast against a vector of lanes' query elements (the queries transposed once);
+//   out [lanes, D] = weights^T [lanes, keys] . values [keys, D], R lanes at a time, a lane's weight
+//   broadcast against the value's D elements.
+// Every lane's softmax is masked to its own causal (and window) range; lanes past tokens x G repeat
+// the first token's range and are not written.
+constexpr int kTileVectors = kLanes == 16 ? 3 : 2;
+constexpr int kTileLanes = kTileVectors * kLanes;
+constexpr int kKeyBlock = kLanes == 16 ? 8 : 4;  // kKeyBlock x kTileVectors accumulators + kTileVectors
+constexpr int64_t kMinTileTokens = 4;            // shorter runs go row by row
+
+struct TileJob {
+  int64_t first_row, tokens, kv_head;  // kv_head -1: the single row first_row, every head
+};
+
+template <int DV, int R>
+void AttendTile(const Problem& p, const TileJob& job, Scratch& scratch) {
+  constexpr int64_t D = DV * kLanes;
+  const int64_t group = p.group, lanes = job.tokens * group;
+  const int64_t cap = p.table_width * p.page_size;
+  const int64_t first_kv_len = std::min<int64_t>(p.kv_lens[job.first_row], cap);
+  const int64_t last_kv_len = std::min<int64_t>(first_kv_len + job.tokens - 1, cap);
+  const auto start_of = [&](int64_t kv_len) { return p.window > 0 ? std::max<int64_t>(kv_len - p.window, 0) : 0; };
+  const int64_t lo = start_of(first_kv_len), count = last_kv_len - lo;
+  const int64_t padded = (count + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+  const int32_t* table = p.tables + std::clamp<int64_t>(p.row_seqs[job.first_row], 0, p.num_table_rows - 1) * p.table_width;
+  const RowKeys keys{p, table, lo, last_kv_len};
+  auto& key_rows = scratch.key_rows;
+  auto& value_rows = scratch.value_rows;
+  key_rows.resize(padded);
+  value_rows.resize(padded);
+  const int64_t head_offset = job.kv_head * D;
+  keys.ForEach(p.k, [&](int64_t i, const float* rows) { key_rows[i] = rows + head_offset; });
+  keys.ForEach(p.v, [&](int64_t i, const float* rows) { value_rows[i] = rows + head_offset; });
+  for (int64_t i = count; i < padded; ++i) key_rows[i] = key_rows[count - 1];  // scored, never weighted
+
+  // queries^T [D, kTileLanes], scaled; unused lanes zero.
+  auto& queries = scratch.tile_queries;
+  queries.assign(D * kTileLanes, 0.0f);
+  for (int64_t lane = 0; lane < lanes; ++lane) {
+    const float* q = p.q + (job.first_row + lane / group) * p.num_heads * D + (job.kv_head * group + lane % group) * D;
+    for (int64_t d = 0; d < D; ++d) queries[d * kTileLanes + lane] = q[d] * p.scale;
+  }
+  auto& scores = scratch.tile_scores;  // [padded keys, kTileLanes]
+  scores.resize(padded * kTileLanes);
+  for (int64_t i0 = 0; i0 < padded; i0 += kKeyBlock) {
+    Vec acc[kKeyBlock][kTileVectors] = {};
+    const float* block_rows[kKeyBlock];
+    for (int j = 0; j < kKeyBlock; ++j) block_rows[j] = key_rows[i0 + j];
+    for (int64_t d = 0; d < D; ++d) {
+      Vec qd[kTileVectors];
+      for (int v = 0; v < kTileVectors; ++v) qd[v] = Load(queries.data() + d * kTileLanes + v * kLanes);
+      for (int j = 0; j < kKeyBlock; ++j) {
+        const float kd = block_rows[j][d];
+        for (int v = 0; v < kTileVectors; ++v) acc[j][v] += kd * qd[v];
+      }
+    }
+    for (int j = 0; j < kKeyBlock; ++j)
+      for (int v = 0; v < kTileVectors; ++v) Store(scores.data() + (i0 + j) * kTileLanes + v * kLanes, acc[j][v]);
+  }
+
+  // Each lane's key range [start, kv_len), as positions relative to lo; unused lanes take lane 0's.
+  IntVec ends[kTileVectors], starts[kTileVectors];
+  for (int v = 0; v < kTileVectors; ++v) {
+    for (int l = 0; l < kLanes; ++l) {
+      const int64_t lane = v * kLanes + l, token = lane < lanes ? lane / group : 0;
+      const int64_t kv_len = std::min<int64_t>(first_kv_len + token, cap);
+      ends[v][l] = static_cast<int32_t>(kv_len - lo);
+      starts[v][l] = static_cast<int32_t>(start_of(kv_len) - lo);
+    }
+  }
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  Vec max[kTileVectors];
+  for (int v = 0; v < kTileVectors; ++v) max[v] = Vec{} + kNegInf;
+  for (int64_t i = 0; i < count; ++i) {
+    float* row = scores.data() + i * kTileLanes;
+    if (p.soft_cap > 0.0f) {
+      for (int64_t lane = 0; lane < kTileLanes; ++lane) row[lane] = p.soft_cap * std::tanh(row[lane] / p.soft_cap);
+    }
+    const int32_t key = static_cast<int32_t>(i);
+    for (int v = 0; v < kTileVectors; ++v) {
+      Vec s = Load(row + v * kLanes);
+      s = (key < ends[v]) & (key >= starts[v]) ? s : Vec{} + kNegInf;
+      Store(row + v * kLanes, s);
+      max[v] = s > max[v] ? s : max[v];
+    }
+  }
+  Vec sum[kTileVectors] = {};
+  for (int64_t i = 0; i < count; ++i) {
+    float* row = scores.data() + i * kTileLanes;
+    for (int v = 0; v < kTileVectors; ++v) {
+      const Vec s = Load(row + v * kLanes);
+      const Vec e = s == kNegInf ? Vec{} : ExpNonPositive(s - max[v]);
+      Store(row + v * kLanes, e);
+      sum[v] += e;
+    }
+  }
+  auto& inv_sums = scratch.tile_inv_sums;
+  inv_sums.resize(kTileLanes);
+  for (int v = 0; v < kTileVectors; ++v)
+    for (int l = 0; l < kLanes; ++l) inv_sums[v * kLanes + l] = sum[v][l] > 0.0f ? 1.0f / sum[v][l] : 0.0f;
+
+  for (int64_t lane0 = 0; lane0 < lanes; lane0 += R) {
+    Vec acc[R][DV] = {};
+    for (int64_t i = 0; i < count; ++i) {
+      const float* value = value_rows[i];
+      Vec val[DV];
+      for (int dv = 0; dv < DV; ++dv) val[dv] = Load(value + dv * kLanes);
+      const float* weights = scores.data() + i * kTileLanes + lane0;
+      for (int r = 0; r < R; ++r)
+        for (int dv = 0; dv < DV; ++dv) acc[r][dv] += weights[r] * val[dv];
+    }
+    for (int r = 0; r < R && lane0 + r < lanes; ++r) {
+      const int64_t lane = lane0 + r;
+      float* out = p.out + (job.first_row + lane / group) * p.num_heads * D + (job.kv_head * group + lane % group) * D;
+      for (int dv = 0; dv < DV; ++dv) Store(out + dv * kLanes, acc[r][dv] * inv_sums[lane]);
+    }
+  }
+}
+
+using TileFn = void (*)(const Problem&, const TileJob&, Scratch&);
+
+// AttendTile for head_dim of 2, 4 or 8 vectors (R lanes of 8, 4 or 2 vectors of accumulators), or
+// nullptr; groups up to kTileLanes / kMinTileTokens query heads per KV head.
+TileFn TileFor(int64_t head_dim, int64_t group) {
+  if (head_dim % kLanes != 0 || group < 1 || group * kMinTileTokens > kTileLanes) return nullptr;
+  switch (head_dim / kLanes) {
+    case 2: return &AttendTile<2, std::min(8, kLanes)>;
+    case 4: return &AttendTile<4, 4>;
+    case 8: return &AttendTile<8, 2>;
+    default: return nullptr;
+  }
+}
+
+// The step's work: runs of at least kMinTileTokens rows of one sequence at consecutive positions
+// split into tiles (one job per tile and KV head), every other row on its own.
+std::vector<TileJob> Jobs(const Problem& p, int64_t num_rows, bool tiles) {
+  std::vector<TileJob> jobs, singles;
+  const int64_t tile_tokens = kTileLanes / p.group, num_kv_heads = p.num_heads / p.group;
+  for (int64_t row = 0; row < num_rows;) {
+    int64_t end = row + 1;
+    while (tiles && end < num_rows && p.row_seqs[end] == p.row_seqs[row] && p.kv_lens[row] > 0 &&
+           p.kv_lens[end] == p.kv_lens[end - 1] + 1) {
+      ++end;
+    }
+    for (int64_t tokens; (tokens = std::min(tile_tokens, end - row)) >= kMinTileTokens; row += tokens) {
+      for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) jobs.push_back({row, tokens, kv_head});
+    }
+    for (; row < end; ++row) singles.push_back({row, 1, -1});
+  }
+  jobs.insert(jobs.end(), singles.begin(), singles.end());  // the larger jobs first
+  return jobs;
+}
+
 ffi::Error PagedRowAttention(ffi::ThreadPool pool,
                              ffi::Buffer<ffi::F32> q,               // [R, H, D]
                              ffi::Buffer<ffi::F32> k_pages,         // [L, P, page, KVH, D]
@@ -303,8 +468,17 @@ ffi::Error PagedRowAttention(ffi::ThreadPool pool,
                         block_tables.dimensions()[0], num_heads, head_dim, num_heads / num_kv_heads, num_pages, page_size,
                         num_kv_heads * head_dim, block_tables.dimensions()[1], sliding_window.typed_data()[0],
                         scale, soft_cap};
-  jaxserve::ParallelFor(pool, num_rows, [problem] {
-    return [problem, scratch = Scratch()](int64_t row) mutable { AttendOne(problem, row, scratch); };
+  const TileFn tile = TileFor(head_dim, problem.group);
+  auto jobs = std::make_shared<const std::vector<TileJob>>(Jobs(problem, num_rows, tile != nullptr));
+  jaxserve::ParallelFor(pool, jobs->size(), [problem, tile, jobs] {
+    return [problem, tile, jobs, scratch = Scratch()](int64_t i) mutable {
+      const TileJob& job = (*jobs)[i];
+      if (job.kv_head < 0) {
+        AttendOne(problem, job.first_row, scratch);
+      } else {
+        tile(problem, job, scratch);
+      }
+    };
   });
   return ffi::Error::Success();
 }
