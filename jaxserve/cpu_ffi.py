@@ -9,6 +9,8 @@
   matmuls of decode steps at a quarter of its large-matmul rate (47 GFLOP/s at 8 rows against about
   150 here); with the weights packed in column blocks, the kernel runs them at 2.2-2.5x that speed
   at 8 rows and 1.6x at 32, and is level with or ahead of XLA's dot at 512 (docs/benchmarks.md).
+  `silu_gated_matmul` computes a gated MLP's silu(x @ w_gate) * (x @ w_up) in the same kernel from
+  the packed [w_gate | w_up], and writes only the product.
 
 Both spread their work over XLA's own intra-op threads. They need a C++ compiler (`c++`, or $CXX)
 once: the library is cached under ~/.cache/jaxserve/kernels (JAXSERVE_KERNEL_CACHE moves it), keyed
@@ -36,10 +38,11 @@ import numpy as np
 
 KERNELS_DIR = Path(__file__).parent / "cpu_kernels"
 SOURCES = (KERNELS_DIR / "paged_row_attention.cc", KERNELS_DIR / "packed_matmul.cc")
-HEADERS = (KERNELS_DIR / "parallel_for.h",)
+HEADERS = (KERNELS_DIR / "parallel_for.h", KERNELS_DIR / "vec_math.h")
 TARGETS = {  # FFI target -> handler symbol
     "jaxserve_paged_row_attention": "JaxservePagedRowAttention",
     "jaxserve_packed_matmul": "JaxservePackedMatmul",
+    "jaxserve_packed_gated_matmul": "JaxservePackedGatedMatmul",
 }
 PACK_BLOCK = 48  # columns per packed block: kBlock in packed_matmul.cc, which checks it
 _registered = False  # XLA keeps the first handler registered under a target for the process
@@ -135,3 +138,14 @@ def matmul(x, w):
         return x @ w
     assert x.dtype == jnp.float32 and w.data.dtype == jnp.float32, "the CPU matmul kernel is float32"
     return jax.ffi.ffi_call("jaxserve_packed_matmul", jax.ShapeDtypeStruct((x.shape[0], w.n), jnp.float32))(x, w.data)
+
+
+def silu_gated_matmul(x, w):
+    """silu(x @ w_gate) * (x @ w_up) for w = [w_gate | w_up] [K, 2 I]: one kernel call for a PackedWeight
+    whose halves are whole blocks (I a multiple of PACK_BLOCK), else matmul and XLA."""
+    if isinstance(w, PackedWeight) and w.n % (2 * PACK_BLOCK) == 0:
+        assert x.dtype == jnp.float32 and w.data.dtype == jnp.float32, "the CPU matmul kernel is float32"
+        out = jax.ShapeDtypeStruct((x.shape[0], w.n // 2), jnp.float32)
+        return jax.ffi.ffi_call("jaxserve_packed_gated_matmul", out)(x, w.data)
+    gate, up = jnp.split(matmul(x, w), 2, axis=-1)
+    return jax.nn.silu(gate) * up

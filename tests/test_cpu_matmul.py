@@ -48,6 +48,35 @@ def test_packed_matmul_matches_numpy(m, k, n):
 
 
 @needs_kernels
+@pytest.mark.parametrize("k, inter", [(1, 48), (33, 96), (576, 1536)])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 17, 64])
+def test_silu_gated_matmul_matches_numpy(m, k, inter):
+    """silu(x @ w_gate) * (x @ w_up) from the packed [w_gate | w_up], against float64 numpy: row counts
+    below, at and past the kernel's 8-row tile, and gates from -100 to 100, where a naive
+    sigmoid overflows."""
+    rng = np.random.default_rng(m * 1000 + inter)
+    x = rng.standard_normal((m, k), np.float32)
+    w = rng.standard_normal((k, 2 * inter), np.float32)
+    x[0, 0] = 100.0 / max(abs(w[0, 0]), 0.1)  # gate 0 of row 0 far out, at 100 and beyond or below -100
+    gate, up = np.split(x.astype(np.float64) @ w.astype(np.float64), 2, axis=-1)
+    expected = gate * np.exp(-np.logaddexp(0.0, -gate)) * up  # silu, without overflow
+    out = np.asarray(jax.jit(cpu_ffi.silu_gated_matmul)(jnp.asarray(x), jax.device_put(PackedWeight.pack(w))))
+    assert out.shape == (m, inter)
+    np.testing.assert_allclose(out, expected, atol=2e-5 * k, rtol=2e-5)
+    unpacked = np.asarray(jax.jit(cpu_ffi.silu_gated_matmul)(jnp.asarray(x), jnp.asarray(w)))  # XLA's path
+    np.testing.assert_allclose(unpacked, expected, atol=2e-5 * k, rtol=2e-5)
+
+
+@needs_kernels
+def test_silu_gated_matmul_keeps_xla_for_halves_that_are_not_whole_blocks():
+    x = np.random.default_rng(1).standard_normal((3, 8), np.float32)
+    w = np.random.default_rng(2).standard_normal((8, 2 * 40), np.float32)
+    gate, up = np.split(x @ w, 2, axis=-1)
+    out = np.asarray(jax.jit(cpu_ffi.silu_gated_matmul)(jnp.asarray(x), jax.device_put(PackedWeight.pack(w))))
+    np.testing.assert_allclose(out, gate / (1.0 + np.exp(-gate)) * up, atol=1e-4, rtol=1e-5)
+
+
+@needs_kernels
 def test_packing_in_jax_and_numpy_agree_and_columns_are_an_embedding_lookup():
     w = np.random.default_rng(0).standard_normal((10, 100), np.float32)
     host, traced = PackedWeight.pack(w), jax.jit(PackedWeight.pack)(jnp.asarray(w))

@@ -24,11 +24,19 @@
 #include <vector>
 
 #include "parallel_for.h"
+#include "vec_math.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using jaxserve::ExpNonPositive;
+using jaxserve::IntVec;
+using jaxserve::kLanes;
+using jaxserve::Load;
+using jaxserve::Store;
+using jaxserve::Vec;
 
 // Everything the rows' attention needs; pointers into XLA's buffers, `k`/`v` at the layer's start.
 struct Problem {
@@ -38,38 +46,6 @@ struct Problem {
   int64_t num_table_rows, num_heads, head_dim, group, num_pages, page_size, token_stride, table_width, window;
   float scale, soft_cap;
 };
-
-#ifdef __AVX512F__
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
-typedef int32_t IntVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
-typedef float UnalignedVec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
-
-Vec Load(const float* x) { return *reinterpret_cast<const UnalignedVec*>(x); }
-void Store(float* x, Vec v) { *reinterpret_cast<UnalignedVec*>(x) = v; }
-
-// exp(x) for x <= 0 (scores minus their maximum), lane by lane: x = n ln2 + r, exp(r) by Cephes'
-// polynomial for expf (relative error about 1e-7), 2^n from the exponent bits. Below -87 it gives
-// about 1e-38 rather than less, which no sum that holds the maximum's 1 can notice.
-Vec ExpNonPositive(Vec x) {
-  x = x < -87.0f ? Vec{} - 87.0f : x;
-  const IntVec n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, IntVec);  // about x / ln2
-  const Vec nf = __builtin_convertvector(n, Vec);
-  const Vec r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  Vec poly = 1.9875691500e-4f * r + 1.3981999507e-3f;
-  poly = poly * r + 8.3334519073e-3f;
-  poly = poly * r + 4.1665795894e-2f;
-  poly = poly * r + 1.6666665459e-1f;
-  poly = poly * r + 5.0000001201e-1f;
-  poly = poly * r * r + r + 1.0f;
-  const IntVec bits = (n + 127) << 23;
-  Vec two_n;
-  __builtin_memcpy(&two_n, &bits, sizeof(two_n));
-  return poly * two_n;
-}
 
 // A dot product over vectors leaves a vector of partial sums; the partial vectors of kLanes keys are
 // folded into one vector of kLanes sums (log2(kLanes) rounds, each pairing vector k with vector

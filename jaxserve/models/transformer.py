@@ -38,7 +38,7 @@ import numpy as np
 from jaxserve.attention import AttentionMetadata, write_kv
 from jaxserve.attention_backends import paged_attention
 from jaxserve.config import ModelConfig
-from jaxserve.cpu_ffi import PackedWeight, matmul
+from jaxserve.cpu_ffi import PackedWeight, matmul, silu_gated_matmul
 
 KVCache = tuple[jax.Array, jax.Array]  # (k_pages, v_pages), see attention.py for the layout
 
@@ -104,9 +104,10 @@ MATRICES = ("w_qkv", "wo", "w_gate_up", "w_down")  # a layer's weight matrices, 
 
 
 def _mlp(cfg: ModelConfig, lp, x):
+    if cfg.hidden_act == "silu":
+        return matmul(silu_gated_matmul(x, lp["w_gate_up"]), lp["w_down"])
     gate, up = jnp.split(matmul(x, lp["w_gate_up"]), 2, axis=-1)
-    act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-    return matmul(act * up, lp["w_down"])
+    return matmul(jax.nn.gelu(gate, approximate=True) * up, lp["w_down"])
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sliding", "q_block", "kv_block", "attention_backend",

@@ -1,0 +1,49 @@
+// Vectors of floats for the CPU kernels, through GCC's and clang's vector extensions (AVX-512 when
+// the machine has it, else 8 lanes), and the lane-by-lane math they share.
+
+#pragma once
+
+#include <cstdint>
+
+namespace jaxserve {
+
+#ifdef __AVX512F__
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t IntVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef float UnalignedVec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
+
+inline Vec Load(const float* x) { return *reinterpret_cast<const UnalignedVec*>(x); }
+inline void Store(float* x, Vec v) { *reinterpret_cast<UnalignedVec*>(x) = v; }
+
+// exp(x) for x <= 0, lane by lane: x = n ln2 + r, exp(r) by Cephes' polynomial for expf (relative
+// error about 1e-7), 2^n from the exponent bits. Below -87 it gives about 1e-38 rather than less,
+// which neither a softmax's sum (it holds the maximum's 1) nor Silu's product can notice.
+inline Vec ExpNonPositive(Vec x) {
+  x = x < -87.0f ? Vec{} - 87.0f : x;
+  const IntVec n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, IntVec);  // about x / ln2
+  const Vec nf = __builtin_convertvector(n, Vec);
+  const Vec r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  Vec poly = 1.9875691500e-4f * r + 1.3981999507e-3f;
+  poly = poly * r + 8.3334519073e-3f;
+  poly = poly * r + 4.1665795894e-2f;
+  poly = poly * r + 1.6666665459e-1f;
+  poly = poly * r + 5.0000001201e-1f;
+  poly = poly * r * r + r + 1.0f;
+  const IntVec bits = (n + 127) << 23;
+  Vec two_n;
+  __builtin_memcpy(&two_n, &bits, sizeof(two_n));
+  return poly * two_n;
+}
+
+// silu(x) = x * sigmoid(x), lane by lane, from exp(-|x|) (ExpNonPositive): x / (1 + e) where x >= 0,
+// x e / (1 + e) below, so no lane overflows.
+inline Vec Silu(Vec x) {
+  const Vec e = ExpNonPositive(x < 0.0f ? x : -x);
+  return (x < 0.0f ? x * e : x) / (1.0f + e);
+}
+
+}  // namespace jaxserve
