@@ -188,8 +188,39 @@ def _argmax(x):
     return jnp.minimum(first * _ARGMAX_BLOCK + within, vocab - 1).astype(jnp.int32)
 
 
+def _inverse_cdf(weights, u):
+    """For weights [S, vocab] (>= 0, some > 0 in each row) and u [S] in [0, 1): the index i with
+    cumsum[i - 1] <= u * total < cumsum[i], a draw from weights / total.
+
+    Blocked like _argmax: the running sum of block sums picks the block, the running sum inside it the
+    index. Rounding can put u * total just past either sum; the index is then clamped to the block's
+    (and the block to the row's) first or last nonzero weight, so a zero weight is never drawn.
+    """
+    num_seqs, vocab = weights.shape
+    pad = -vocab % _ARGMAX_BLOCK
+    blocks = jnp.pad(weights, ((0, 0), (0, pad))).reshape(num_seqs, -1, _ARGMAX_BLOCK)
+    block_sums = blocks.sum(axis=-1)  # [S, num_blocks]
+    block_ends = jnp.cumsum(block_sums, axis=-1)
+    target = u[:, None] * block_ends[:, -1:]
+    first_block, last_block = _nonzero_span(block_sums)
+    block = jnp.clip((block_ends <= target).sum(axis=-1), first_block, last_block)
+    inside = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]  # [S, block]
+    start = jnp.take_along_axis(block_ends - block_sums, block[:, None], axis=1)
+    first, last = _nonzero_span(inside)
+    within = jnp.clip((start + jnp.cumsum(inside, axis=-1) <= target).sum(axis=-1), first, last)
+    return (block * _ARGMAX_BLOCK + within).astype(jnp.int32)
+
+
+def _nonzero_span(x):
+    """The first and last index of each row of x [S, n] that is > 0."""
+    positive = x > 0
+    return jnp.argmax(positive, axis=-1), x.shape[-1] - 1 - jnp.argmax(positive[:, ::-1], axis=-1)
+
+
 def _sample_random(processed, t: SamplingTensors):
-    """Temperature, min-p, top-k and top-p, then a Gumbel-max draw per row: [S] token ids."""
+    """Temperature, min-p, top-k and top-p, then one uniform draw per row, inverted through the kept
+    probabilities' running sum: [S] token ids. (A Gumbel-max draw needs a random number per vocabulary
+    entry: about 15 ms of a 32-row step on a 2-core CPU.)"""
     num_seqs, vocab = processed.shape
     scaled = processed / jnp.maximum(t.temperature, 1e-6)[:, None]
     probs = jax.nn.softmax(scaled, axis=-1)
@@ -200,13 +231,12 @@ def _sample_random(processed, t: SamplingTensors):
         _truncation_threshold, lambda s, p, k, tp: jnp.full((num_seqs, 1), -jnp.inf),
         scaled, probs, t.top_k, t.top_p,
     )
-    keep &= scaled >= threshold
+    probs = jnp.where(scaled >= threshold, probs, 0.0)
 
-    def gumbel(seed, position):
-        return jax.random.gumbel(jax.random.fold_in(jax.random.key(seed), position), (vocab,), jnp.float32)
+    def uniform(seed, position):
+        return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), position), (), jnp.float32)
 
-    noise = jax.vmap(gumbel)(t.seeds, t.positions)
-    return _argmax(jnp.where(keep, scaled + noise, -jnp.inf))
+    return _inverse_cdf(probs, jax.vmap(uniform)(t.seeds, t.positions))
 
 
 def sample(logits, t: SamplingTensors) -> SamplerOutput:

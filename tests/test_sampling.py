@@ -22,7 +22,7 @@ import transformers
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.model_runner import ModelRunner
-from jaxserve.sampling import (MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingTensors, _argmax, apply_penalties,
+from jaxserve.sampling import (MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingTensors, _argmax, _inverse_cdf, apply_penalties,
                                sample)
 
 VOCAB = 32  # direct tests; >= MAX_LOGPROBS, since the logprobs branch is traced for every call
@@ -210,6 +210,37 @@ def test_blocked_argmax_is_the_first_index_of_the_maximum(vocab):
     np.testing.assert_array_equal(np.asarray(jax.jit(_argmax)(x)), np.argmax(x, axis=-1))
     x[6] = np.nan
     assert 0 <= int(jax.jit(_argmax)(x)[6]) < vocab
+
+
+@pytest.mark.parametrize("vocab", [1, 127, 128, 300, 49152])
+def test_inverse_cdf_draw_matches_numpy_and_never_draws_a_zero_weight(vocab):
+    """The random sampler's draw (a blocked running sum, one uniform per row) against numpy's float64
+    searchsorted, for u away from a boundary; and at the edges (u = 0, u just below 1, zero weights
+    before, between and after the only positive ones, across a block boundary; u = 1, past the end) the
+    drawn weight is positive."""
+    rng = np.random.default_rng(vocab)
+    rows = 64
+    w = rng.random((rows, vocab)).astype(np.float32) * (rng.random((rows, vocab)) < 0.3)
+    w[:, 0] += 0.01  # every row has mass
+    w[1] = 0.0
+    w[1, vocab - 1] = 1.0  # one positive weight, at the very end
+    w[2] = 0.0
+    w[2, [0, vocab // 2]] = [1e-30, 1.0]  # a negligible one and a dominant one
+    if vocab > 130:
+        w[3] = 0.0
+        w[3, [127, 128]] = 0.5  # either side of a block boundary
+    u = rng.random(rows).astype(np.float32)
+    u[:8] = [0.0, np.nextafter(np.float32(1), np.float32(0)), 0.0, 0.99999, 0.5, 0.0, 1e-7, 0.999]
+    u[8:10] = 1.0  # outside [0, 1): as if rounding had put u * total at the end
+    drawn = np.asarray(jax.jit(_inverse_cdf)(w, u))
+    assert np.all(w[np.arange(rows), drawn] > 0), "a zero weight was drawn"
+    cum = np.cumsum(w.astype(np.float64), axis=-1)
+    target = u * cum[:, -1]
+    expected = np.array([np.searchsorted(c, t, side="right") for c, t in zip(cum, target)])
+    gap = np.abs(cum - target[:, None]).min(axis=-1) / cum[:, -1]  # how close u lies to a boundary
+    clear = gap > 1e-5
+    assert clear.sum() > rows // 2
+    np.testing.assert_array_equal(drawn[clear], expected[clear])
 
 
 def _reference_penalties(logits, history, prompt_len, repetition, frequency, presence):
