@@ -64,8 +64,20 @@ def mosaic_kernels(lowered) -> list[LoweredKernel]:
         module_bytes = ir.StringAttr(ir.DictAttr(op.attributes["mhlo.backend_config"])["module"]).value_bytes
         context = jax_mlir.make_ir_context()
         context.allow_unregistered_dialects = True  # the serialized dialect is versioned ("stable_mosaic_gpu")
+        _register_mosaic_gpu_dialect(context)
         with context:
             text = str(ir.Module.parse(module_bytes))
         name = _KERNEL_NAME.search(text)
         kernels.append(LoweredKernel(name.group(1) if name else "?", tuple(sorted(set(_INSTRUCTIONS.findall(text))))))
     return kernels
+
+
+def _register_mosaic_gpu_dialect(context) -> None:
+    """Mosaic GPU's own types inside a memref (barriers, for one) parse only with its dialect registered:
+    under JAX 0.11 a module read back without it failed with "invalid memref element type", about one
+    lowering in three. Older JAX did without it."""
+    try:
+        from jax._src.lib import mosaic_gpu_dialect
+    except ImportError:
+        return
+    mosaic_gpu_dialect.register_dialect(context)
