@@ -22,8 +22,8 @@ import transformers
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.model_runner import ModelRunner
-from jaxserve.sampling import (MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingTensors, _argmax, _inverse_cdf, apply_penalties,
-                               sample)
+from jaxserve.sampling import (MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingTensors, _argmax, _inverse_cdf,
+                               apply_penalties, sample)
 
 VOCAB = 32  # direct tests; >= MAX_LOGPROBS, since the logprobs branch is traced for every call
 HISTORY_LEN = 128  # the model runner sizes `history` as max_model_len

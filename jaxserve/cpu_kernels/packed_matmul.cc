@@ -52,7 +52,8 @@ struct Problem {
 // acc[r][j] = x_rows[r] . the block's column vector j, for R rows of x. Inlined, so that acc stays in
 // registers (called twice from GatedTile, GCC kept it out of line: 2.4x slower).
 template <int R>
-__attribute__((always_inline)) inline void Accumulate(const Problem& p, const float* x_rows, const float* w_block, Vec (&acc)[R][kVectors]) {
+__attribute__((always_inline)) inline void Accumulate(const Problem& p, const float* x_rows, const float* w_block,
+                                                      Vec (&acc)[R][kVectors]) {
   const int64_t k_dim = p.k;
   for (int64_t k = 0; k < k_dim; ++k) {
     Vec w[kVectors];
@@ -88,7 +89,9 @@ void GatedTile(const Problem& p, const float* x_rows, int64_t block, float* y_ro
   Accumulate<R>(p, x_rows, p.w + block * p.k * kBlock, gate);
   Accumulate<R>(p, x_rows, p.w + (block + p.blocks / 2) * p.k * kBlock, up);
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kVectors; ++j) Store(y_rows + r * (p.n / 2) + j * kLanes, jaxserve::Silu(gate[r][j]) * up[r][j]);
+    for (int j = 0; j < kVectors; ++j) {
+      Store(y_rows + r * (p.n / 2) + j * kLanes, jaxserve::Silu(gate[r][j]) * up[r][j]);
+    }
 }
 
 // The rows of x in tiles of kRows, then one tile of the rest, against one column block.
@@ -117,7 +120,8 @@ void GatedBlock(const Problem& p, int64_t block, std::integer_sequence<int, R...
 
 // The operands' shapes, checked: y is [M, N] (gated: [M, N / 2], N / 2 a whole number of blocks).
 ffi::Error CheckShapes(const char* name, const Problem& p, int64_t y_rows, int64_t y_columns, bool gated) {
-  const bool ok = gated ? p.blocks % 2 == 0 && y_columns * 2 == p.blocks * kBlock : p.blocks == (p.n + kBlock - 1) / kBlock;
+  const bool ok = gated ? p.blocks % 2 == 0 && y_columns * 2 == p.blocks * kBlock
+                        : p.blocks == (p.n + kBlock - 1) / kBlock;
   if (!ok || y_rows != p.m) {
     return ffi::Error::InvalidArgument(std::string(name) + ": operand shapes do not match");
   }
@@ -125,7 +129,8 @@ ffi::Error CheckShapes(const char* name, const Problem& p, int64_t y_rows, int64
 }
 
 template <bool kGated>
-ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                  ffi::ResultBuffer<ffi::F32> y) {
   const char* name = kGated ? "packed_gated_matmul" : "packed_matmul";
   const auto x_dims = x.dimensions(), w_dims = w.dimensions(), y_dims = y->dimensions();
   if (x_dims.size() != 2 || w_dims.size() != 3 || y_dims.size() != 2) {

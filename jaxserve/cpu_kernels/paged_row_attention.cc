@@ -284,7 +284,8 @@ void AttendTile(const Problem& p, const TileJob& job, Scratch& scratch) {
   const auto start_of = [&](int64_t kv_len) { return p.window > 0 ? std::max<int64_t>(kv_len - p.window, 0) : 0; };
   const int64_t lo = start_of(first_kv_len), count = last_kv_len - lo;
   const int64_t padded = (count + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
-  const int32_t* table = p.tables + std::clamp<int64_t>(p.row_seqs[job.first_row], 0, p.num_table_rows - 1) * p.table_width;
+  const int64_t table_row = std::clamp<int64_t>(p.row_seqs[job.first_row], 0, p.num_table_rows - 1);
+  const int32_t* table = p.tables + table_row * p.table_width;
   const RowKeys keys{p, table, lo, last_kv_len};
   auto& key_rows = scratch.key_rows;
   auto& value_rows = scratch.value_rows;
