@@ -164,7 +164,15 @@ def _truncation_threshold(scaled, probs, top_k, top_p):
     return jnp.where(off, -jnp.inf, threshold)
 
 
-_ARGMAX_BLOCK = 128
+_VOCAB_BLOCK = 128
+
+
+def _blocks(x, fill):
+    """x [S, n] as [S, ceil(n / 128), 128], the last block filled out with `fill`."""
+    pad = -x.shape[1] % _VOCAB_BLOCK
+    if pad:
+        x = jnp.pad(x, ((0, 0), (0, pad)), constant_values=fill)
+    return x.reshape(x.shape[0], -1, _VOCAB_BLOCK)
 
 
 def _argmax(x):
@@ -174,18 +182,15 @@ def _argmax(x):
     a max; so the row is cut into blocks of 128: a max per block, then the first index in the first block
     that holds the row's maximum. A row without one (NaN) gives the last index.
     """
-    num_seqs, vocab = x.shape
-    pad = -vocab % _ARGMAX_BLOCK
-    if pad:
-        x = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf)
-    blocks = x.reshape(num_seqs, -1, _ARGMAX_BLOCK)
+    vocab = x.shape[1]
+    blocks = _blocks(x, -jnp.inf)
     block_max = blocks.max(axis=-1)  # [S, num_blocks]
     row_max = block_max.max(axis=-1, keepdims=True)
     num_blocks = block_max.shape[1]
     first = jnp.min(jnp.where(block_max == row_max, jnp.arange(num_blocks), num_blocks - 1), axis=-1)
     block = jnp.take_along_axis(blocks, first[:, None, None], axis=1)[:, 0]  # [S, 128]
-    within = jnp.min(jnp.where(block == row_max, jnp.arange(_ARGMAX_BLOCK), _ARGMAX_BLOCK - 1), axis=-1)
-    return jnp.minimum(first * _ARGMAX_BLOCK + within, vocab - 1).astype(jnp.int32)
+    within = jnp.min(jnp.where(block == row_max, jnp.arange(_VOCAB_BLOCK), _VOCAB_BLOCK - 1), axis=-1)
+    return jnp.minimum(first * _VOCAB_BLOCK + within, vocab - 1).astype(jnp.int32)
 
 
 def _inverse_cdf(weights, u):
@@ -196,9 +201,7 @@ def _inverse_cdf(weights, u):
     index. Rounding can put u * total just past either sum; the index is then clamped to the block's
     (and the block to the row's) first or last nonzero weight, so a zero weight is never drawn.
     """
-    num_seqs, vocab = weights.shape
-    pad = -vocab % _ARGMAX_BLOCK
-    blocks = jnp.pad(weights, ((0, 0), (0, pad))).reshape(num_seqs, -1, _ARGMAX_BLOCK)
+    blocks = _blocks(weights, 0.0)
     block_sums = blocks.sum(axis=-1)  # [S, num_blocks]
     block_ends = jnp.cumsum(block_sums, axis=-1)
     target = u[:, None] * block_ends[:, -1:]
@@ -208,7 +211,7 @@ def _inverse_cdf(weights, u):
     start = jnp.take_along_axis(block_ends - block_sums, block[:, None], axis=1)
     first, last = _nonzero_span(inside)
     within = jnp.clip((start + jnp.cumsum(inside, axis=-1) <= target).sum(axis=-1), first, last)
-    return (block * _ARGMAX_BLOCK + within).astype(jnp.int32)
+    return (block * _VOCAB_BLOCK + within).astype(jnp.int32)
 
 
 def _nonzero_span(x):

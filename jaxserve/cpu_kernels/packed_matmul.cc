@@ -160,16 +160,15 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
 
 extern "C" int JaxservePackedMatmulBlock() { return kBlock; }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedMatmul, Matmul<false>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+namespace {
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedGatedMatmul, Matmul<true>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// Both handlers' signature: (x, packed w) -> y, on XLA's intra-op thread pool.
+auto MatmulBinding() {
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedMatmul, Matmul<false>, MatmulBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedGatedMatmul, Matmul<true>, MatmulBinding());

@@ -59,7 +59,11 @@ def rope_position_tables(cfg: ModelConfig, max_positions: int) -> dict:
     """cos and sin [max_positions, D/2] of every position, for the model's rope (and local rope), built
     once at engine start; `forward` looks its positions up in them. Computed per step instead, XLA
     fuses cos and sin into every layer's rotation and evaluates them there again for every head."""
-    positions = jnp.arange(max_positions)
+    return _rope_tables_at(cfg, jnp.arange(max_positions))
+
+
+def _rope_tables_at(cfg: ModelConfig, positions) -> dict:
+    """{"rope": (cos, sin)} at `positions`, and "local_rope" for a model with a local rope."""
     tables = {"rope": rope_tables(cfg.rope.inv_freq(cfg.head_dim), positions)}
     if cfg.local_rope is not None:
         tables["local_rope"] = rope_tables(cfg.local_rope.inv_freq(cfg.head_dim), positions)
@@ -180,15 +184,12 @@ def forward(
         h = h * jnp.asarray(cfg.embed_scale, h.dtype)
 
     if "rope" in params:  # the engine's tables (rope_position_tables)
-        global_rope = tuple(table[positions] for table in params["rope"])
-        local_rope = global_rope
-        if "local_rope" in params:
-            local_rope = tuple(table[positions] for table in params["local_rope"])
+        ropes = {name: tuple(table[positions] for table in params[name])
+                 for name in ("rope", "local_rope") if name in params}
     else:
-        global_rope = rope_tables(cfg.rope.inv_freq(cfg.head_dim), positions)
-        local_rope = global_rope
-        if cfg.local_rope is not None:
-            local_rope = rope_tables(cfg.local_rope.inv_freq(cfg.head_dim), positions)
+        ropes = _rope_tables_at(cfg, positions)
+    global_rope = ropes["rope"]
+    local_rope = ropes.get("local_rope", global_rope)
     k_pages, v_pages = kv_cache
     for layer_id, lp in enumerate(params["layers"]):
         sliding = bool(cfg.layer_is_sliding[layer_id])
