@@ -132,20 +132,29 @@ class PackedWeight:
         return self.data[ids // PACK_BLOCK, :, ids % PACK_BLOCK]
 
 
-def matmul(x, w):
-    """x [M, K] @ w: the packed kernel for a PackedWeight, XLA's dot for a plain array."""
+def _rows_operand(x, rows):
+    return jnp.asarray(x.shape[0] if rows is None else rows, jnp.int32)
+
+
+def matmul(x, w, rows=None):
+    """x [M, K] @ w: the packed kernel for a PackedWeight, XLA's dot for a plain array.
+
+    rows (a traced int32 or None: all): the kernel multiplies only x's first `rows` rows, the real
+    tokens of a padded step, and gives zeros below them; XLA's dot computes every row.
+    """
     if not isinstance(w, PackedWeight):
         return x @ w
     assert x.dtype == jnp.float32 and w.data.dtype == jnp.float32, "the CPU matmul kernel is float32"
-    return jax.ffi.ffi_call("jaxserve_packed_matmul", jax.ShapeDtypeStruct((x.shape[0], w.n), jnp.float32))(x, w.data)
+    out = jax.ShapeDtypeStruct((x.shape[0], w.n), jnp.float32)
+    return jax.ffi.ffi_call("jaxserve_packed_matmul", out)(x, w.data, _rows_operand(x, rows))
 
 
-def silu_gated_matmul(x, w):
+def silu_gated_matmul(x, w, rows=None):
     """silu(x @ w_gate) * (x @ w_up) for w = [w_gate | w_up] [K, 2 I]: one kernel call for a PackedWeight
-    whose halves are whole blocks (I a multiple of PACK_BLOCK), else matmul and XLA."""
+    whose halves are whole blocks (I a multiple of PACK_BLOCK), else matmul and XLA. rows: as for matmul."""
     if isinstance(w, PackedWeight) and w.n % (2 * PACK_BLOCK) == 0:
         assert x.dtype == jnp.float32 and w.data.dtype == jnp.float32, "the CPU matmul kernel is float32"
         out = jax.ShapeDtypeStruct((x.shape[0], w.n // 2), jnp.float32)
-        return jax.ffi.ffi_call("jaxserve_packed_gated_matmul", out)(x, w.data)
-    gate, up = jnp.split(matmul(x, w), 2, axis=-1)
+        return jax.ffi.ffi_call("jaxserve_packed_gated_matmul", out)(x, w.data, _rows_operand(x, rows))
+    gate, up = jnp.split(matmul(x, w, rows), 2, axis=-1)
     return jax.nn.silu(gate) * up

@@ -68,6 +68,27 @@ def test_silu_gated_matmul_matches_numpy(m, k, inter):
 
 
 @needs_kernels
+@pytest.mark.parametrize("rows", [0, 1, 7, 9, 17, 24, 40])
+def test_only_the_real_rows_are_multiplied_and_the_padding_rows_are_zeros(rows):
+    """`rows` (a step's real tokens, traced) cuts the multiplied rows: those below it come out as
+    zeros even where x holds values there, in both kernels; a count past M means all rows."""
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((24, 96), np.float32)
+    w = rng.standard_normal((96, 2 * PACK_BLOCK), np.float32)
+    kept = min(rows, 24)
+    expected = x.astype(np.float64) @ w.astype(np.float64)
+    expected[kept:] = 0.0
+    out = np.asarray(jax.jit(matmul)(jnp.asarray(x), jax.device_put(PackedWeight.pack(w)), jnp.int32(rows)))
+    np.testing.assert_allclose(out, expected, atol=1e-4, rtol=1e-5)
+    gate, up = np.split(x.astype(np.float64) @ w.astype(np.float64), 2, axis=-1)
+    gated_expected = gate / (1.0 + np.exp(-gate)) * up
+    gated_expected[kept:] = 0.0
+    gated = np.asarray(jax.jit(cpu_ffi.silu_gated_matmul)(jnp.asarray(x), jax.device_put(PackedWeight.pack(w)),
+                                                          jnp.int32(rows)))
+    np.testing.assert_allclose(gated, gated_expected, atol=1e-4, rtol=1e-5)
+
+
+@needs_kernels
 def test_silu_gated_matmul_keeps_xla_for_halves_that_are_not_whole_blocks():
     x = np.random.default_rng(1).standard_normal((3, 8), np.float32)
     w = np.random.default_rng(2).standard_normal((8, 2 * 40), np.float32)

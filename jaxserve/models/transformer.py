@@ -107,11 +107,11 @@ def serving_params(cfg: ModelConfig, params, packed: bool = False) -> dict:
 MATRICES = ("w_qkv", "wo", "w_gate_up", "w_down")  # a layer's weight matrices, in serving_params' layout
 
 
-def _mlp(cfg: ModelConfig, lp, x):
+def _mlp(cfg: ModelConfig, lp, x, rows):
     if cfg.hidden_act == "silu":
-        return matmul(silu_gated_matmul(x, lp["w_gate_up"]), lp["w_down"])
-    gate, up = jnp.split(matmul(x, lp["w_gate_up"]), 2, axis=-1)
-    return matmul(jax.nn.gelu(gate, approximate=True) * up, lp["w_down"])
+        return matmul(silu_gated_matmul(x, lp["w_gate_up"], rows), lp["w_down"], rows)
+    gate, up = jnp.split(matmul(x, lp["w_gate_up"], rows), 2, axis=-1)
+    return matmul(jax.nn.gelu(gate, approximate=True) * up, lp["w_down"], rows)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sliding", "q_block", "kv_block", "attention_backend",
@@ -121,9 +121,10 @@ def _layer(h, k_pages, v_pages, lp, layer, cos, sin, md: AttentionMetadata, *, c
     """One decoder layer. Jitted on its own so that tracing and lowering happen once per step
     function, not once per layer; XLA still inlines it into each layer's place."""
     num_tokens = h.shape[0]
+    rows = md.cu_q_lens[-1]  # the real tokens; the packed CPU matmul skips the padding below them
     q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-    qkv = matmul(x, lp["w_qkv"])
+    qkv = matmul(x, lp["w_qkv"], rows)
     if cfg.attention_bias:
         qkv = qkv + lp["b_qkv"]
     q = qkv[:, :q_width].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
@@ -145,11 +146,11 @@ def _layer(h, k_pages, v_pages, lp, layer, cos, sin, md: AttentionMetadata, *, c
         backend=attention_backend,
         decode_only=decode_only,
     )
-    out = matmul(attn.reshape(num_tokens, q_width), lp["wo"])
+    out = matmul(attn.reshape(num_tokens, q_width), lp["wo"], rows)
     if cfg.sandwich_norm:
         out = rms_norm(out, lp["post_attn_norm"], cfg.rms_norm_eps)
     h = h + out
-    out = _mlp(cfg, lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps))
+    out = _mlp(cfg, lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps), rows)
     if cfg.sandwich_norm:
         out = rms_norm(out, lp["post_mlp_norm"], cfg.rms_norm_eps)
     return h + out, k_pages, v_pages
