@@ -122,7 +122,9 @@ struct RowKeys {
 class SpreadPrefetch {
  public:
   SpreadPrefetch(const float* page, int64_t page_floats, int64_t steps)
-      : page_(page), lines_(page ? page_floats / kLineFloats : 0), per_step_((lines_ + steps - 1) / std::max<int64_t>(steps, 1)) {}
+      : page_(page),
+        lines_(page ? page_floats / kLineFloats : 0),
+        per_step_((lines_ + steps - 1) / std::max<int64_t>(steps, 1)) {}
 
   void Step() {
     for (const int64_t end = std::min(lines_, next_ + per_step_); next_ < end; ++next_) {
@@ -226,7 +228,9 @@ void AttendGrouped(const Problem& p, const RowKeys& keys, float* out_rows, const
     }
   });
   for (int64_t h = 0; h < kv_heads * G; ++h)
-    for (int v = 0; v < DV; ++v) Store(out_rows + h * D + v * kLanes, Load(acc_rows.data() + h * D + v * kLanes) * inv_sums[h]);
+    for (int v = 0; v < DV; ++v) {
+      Store(out_rows + h * D + v * kLanes, Load(acc_rows.data() + h * D + v * kLanes) * inv_sums[h]);
+    }
 }
 
 using GroupedFn = void (*)(const Problem&, const RowKeys&, float*, const float*, Scratch&);
