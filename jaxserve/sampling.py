@@ -224,7 +224,7 @@ def _sample_random(processed, t: SamplingTensors):
     """Temperature, min-p, top-k and top-p, then one uniform draw per row, inverted through the kept
     probabilities' running sum: [S] token ids. (A Gumbel-max draw needs a random number per vocabulary
     entry: about 15 ms of a 32-row step on a 2-core CPU.)"""
-    num_seqs, vocab = processed.shape
+    num_seqs = processed.shape[0]
     scaled = processed / jnp.maximum(t.temperature, 1e-6)[:, None]
     probs = jax.nn.softmax(scaled, axis=-1)
     keep = probs >= t.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
@@ -249,13 +249,13 @@ def sample(logits, t: SamplingTensors) -> SamplerOutput:
     of the logits and nothing else; otherwise the penalties, the bias and the random draw each run only
     when a row asks for them, and so do logprobs, which are of the raw logits, as vLLM reports them.
     """
-    num_seqs, vocab = logits.shape
-    rows = jnp.arange(num_seqs)[:, None]
+    num_seqs = logits.shape[0]
     uses_penalties = jnp.any((t.presence_penalty != 0) | (t.frequency_penalty != 0) | (t.repetition_penalty != 1))
     uses_bias = jnp.any(t.bias_values != 0)  # logit_bias, and min_tokens' suppressed stop tokens
     uses_random = jnp.any(t.temperature > 0)
 
     def processed_tokens():
+        rows = jnp.arange(num_seqs)[:, None]
         processed = jax.lax.cond(uses_penalties, apply_penalties, lambda logits, t: logits, logits, t)
         processed = jax.lax.cond(
             uses_bias, lambda p: p.at[rows, t.bias_ids].add(t.bias_values, mode="drop"), lambda p: p, processed,
