@@ -16,6 +16,7 @@ import time
 from jaxserve.compilation import forbid_compilation, num_compilations
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.errors import InvalidParameter
 from jaxserve.model_runner import ModelRunner, ScheduledSeq
 from jaxserve.page_pool import PagePool
 from jaxserve.request import Request, RequestStatus
@@ -24,6 +25,7 @@ from jaxserve.scheduler import Scheduler
 from jaxserve.weights import LoadedModel
 
 logger = logging.getLogger(__name__)
+_INERT_PARAMS = SamplingParams(temperature=0.0)  # the row of a request that failed before its step
 
 
 class LLMEngine:
@@ -72,12 +74,13 @@ class LLMEngine:
         """Validates a request without queueing it (safe from any thread); raises ValueError naming the problem."""
         prompt = list(prompt_token_ids)
         if not prompt:
-            raise ValueError("the prompt is empty")
+            raise InvalidParameter("prompt", "the prompt is empty")
         bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < self.model_cfg.vocab_size)]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_cfg.vocab_size})")
+            raise InvalidParameter("prompt", f"prompt token ids {bad[:5]} are outside the vocabulary "
+                                             f"[0, {self.model_cfg.vocab_size})")
         if len(prompt) >= self.cfg.max_model_len:
-            raise ValueError(
+            raise InvalidParameter("prompt",
                 f"the prompt has {len(prompt)} tokens, but max_model_len is {self.cfg.max_model_len} "
                 f"(at least one token must be left to generate)"
             )
@@ -87,13 +90,13 @@ class LLMEngine:
             request_id = f"req-{next(self._ids)}" if request_id is None else request_id
             seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         seed = (seed + sample_index * 0x9E3779B9) % 2**32  # n > 1: each sample its own stream
-        bad = [t for t in [*params.stop_token_ids, *(params.logit_bias or {})]
-               if not 0 <= t < self.model_cfg.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} in stop_token_ids/logit_bias are outside the vocabulary "
-                             f"[0, {self.model_cfg.vocab_size})")
+        for param, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
+            bad = [t for t in ids if not 0 <= t < self.model_cfg.vocab_size]
+            if bad:
+                raise InvalidParameter(param, f"token ids {bad[:5]} in {param} are outside the vocabulary "
+                                              f"[0, {self.model_cfg.vocab_size})")
         if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet")
+            raise InvalidParameter("prompt_logprobs", "prompt_logprobs is not supported yet")
         request = Request(request_id, prompt, params, seed=seed, max_tokens=max_tokens,
                           eos_token_ids=self.model_cfg.eos_token_ids, priority=priority)
         if self.tokenizer is not None:
@@ -117,6 +120,12 @@ class LLMEngine:
         if request is not None and not request.status.is_finished:
             self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
 
+    def fail_request(self, request_id: str, message: str) -> None:
+        """Ends one request with finish reason "error" and frees its pages; the others go on."""
+        request = self.requests.pop(request_id, None)
+        if request is not None and not request.status.is_finished:
+            self.scheduler.fail(request, message)
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
@@ -135,12 +144,24 @@ class LLMEngine:
         if not output.scheduled:
             return []
         self.num_steps += 1
-        seqs = [self._scheduled_seq(request, n) for request, n in output.scheduled]
+        # Per-request failures are collected and applied after the step: a failing request still
+        # runs as an inert greedy row, so the K/V of its pages (maybe already in the prefix cache)
+        # are written as scheduled. Only a failure of the step itself escapes.
+        failed: dict[Request, str] = {}
+        seqs = [self._scheduled_seq(request, n, failed) for request, n in output.scheduled]
         with_logprobs = any(r.sampling_params.logprobs is not None for r, _ in output.scheduled)
+
+        def row_failed(row: int, error: Exception) -> None:
+            request = output.scheduled[row][0]
+            logger.error("request %s: building its sampling row failed", request.request_id, exc_info=error)
+            failed.setdefault(request, "building its sampling row failed")
+
         model_start = time.perf_counter()
-        sampled = self.runner.fetch(self.runner.execute(seqs), len(seqs), with_logprobs)
+        sampled = self.runner.fetch(self.runner.execute(seqs, on_row_error=row_failed), len(seqs), with_logprobs)
         self.model_seconds += time.perf_counter() - model_start
-        updated = self.scheduler.update_from_output(output, sampled)
+        for request, message in failed.items():
+            self.scheduler.fail(request, message)
+        updated = self.scheduler.update_from_output(output, sampled) + list(failed)
         for request in updated:
             self._detokenize(request)
             if request.status.is_finished:
@@ -148,25 +169,35 @@ class LLMEngine:
         self.step_seconds += time.perf_counter() - start
         return updated
 
-    def _scheduled_seq(self, request: Request, num_new: int) -> ScheduledSeq:
+    def _scheduled_seq(self, request: Request, num_new: int, failed: dict[Request, str]) -> ScheduledSeq:
         start, params = request.num_computed_tokens, request.sampling_params
         tokens = request.all_token_ids
-        return ScheduledSeq(
-            token_ids=tokens[start:start + num_new],
-            num_computed_tokens=start,
-            block_table=request.block_table,
-            params=params,
-            seed=request.seed,
-            prompt_len=len(request.prompt_token_ids),
-            history=tokens[:start + num_new] if params.uses_penalties else None,
-            suppress_ids=request.suppressed_token_ids,
-        )
+        try:
+            return ScheduledSeq(
+                token_ids=tokens[start:start + num_new],
+                num_computed_tokens=start,
+                block_table=request.block_table,
+                params=params,
+                seed=request.seed,
+                prompt_len=len(request.prompt_token_ids),
+                history=tokens[:start + num_new] if params.uses_penalties else None,
+                suppress_ids=request.suppressed_token_ids,
+            )
+        except Exception:  # noqa: BLE001 - one request's failure must not end the others' step
+            logger.exception("request %s: preparing its step failed", request.request_id)
+            failed.setdefault(request, "preparing its step failed")
+            return ScheduledSeq(tokens[start:start + num_new], start, request.block_table, _INERT_PARAMS, seed=0)
 
     def _detokenize(self, request: Request) -> None:
-        """Decodes the request's newest token; a stop string finishes the request."""
-        if request.detokenizer is None:
+        """Decodes the request's newest token; a stop string finishes the request, a failure fails it."""
+        if request.detokenizer is None or request.status is RequestStatus.FINISHED_ERROR:
             return
-        stop = request.detokenizer.add(request.output_token_ids[-1:])
+        try:
+            stop = request.detokenizer.add(request.output_token_ids[-1:])
+        except Exception:  # noqa: BLE001 - model output can be any token sequence
+            logger.exception("request %s: detokenizing its output failed", request.request_id)
+            self.scheduler.fail(request, "detokenizing its output failed")
+            return
         if stop is not None and not request.status.is_finished:
             request.stop_reason = stop
             self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)

@@ -1,9 +1,14 @@
 """The engine loop in a background thread, for callers on other threads or an asyncio loop.
 
-One thread owns the `LLMEngine` and is the only one to touch the scheduler and the device; callers
-submit and abort through a command queue and read per-request streams of token deltas. XLA releases
+One thread owns the `LLMEngine`: it alone touches the scheduler, the page pool, the requests' state
+and the device. Other threads call `submit` (which validates on the caller's thread through
+`LLMEngine.make_request`, reading only the engine's fixed settings and tokenizer), `abort`, and read
+per-request streams of token deltas and the `stats` snapshot the loop publishes every iteration. XLA releases
 the GIL while a step runs on the device, so an HTTP event loop in the main thread stays responsive.
-A crash in the loop fails every open stream and leaves `error` set, so health checks can say so.
+A request that fails while being served (detokenizing, stop checks, its sampling row or logprobs,
+building its delta) ends alone, with finish reason "error" and a `RequestFailed` in its last delta;
+only a failure of the step itself (the model call) kills the loop, which then fails every open stream
+and leaves `error` set, so health checks can say so.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ import queue
 import threading
 
 from jaxserve.engine import LLMEngine
-from jaxserve.request import Request
+from jaxserve.errors import RequestFailed
+from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -28,7 +34,7 @@ class StreamDelta:
     logprobs: list[dict[int, float]] | None = None  # one entry per new token, when requested
     finish_reason: str | None = None  # set on a request's last delta
     stop_reason: int | str | None = None
-    error: BaseException | None = None  # set if the request failed instead
+    error: BaseException | None = None  # set if the request failed instead (finish_reason "error" or None)
 
 
 class RequestStream:
@@ -68,6 +74,9 @@ class EngineLoop:
     def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05):
         self.engine = engine
         self.error: BaseException | None = None
+        # The engine's counters as of its last step, published by the engine thread for readers on
+        # other threads (metrics): they never call into the engine themselves.
+        self.stats: dict = engine.get_stats()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._sent: dict[str, tuple[int, int]] = {}  # (tokens, characters) already delivered per request
@@ -114,12 +123,17 @@ class EngineLoop:
         try:
             while not self._stopped.is_set():
                 self._apply_commands()
+                self.stats = self.engine.get_stats()
                 if not self.engine.has_unfinished:
                     self._wakeup.wait(self._idle_wait_s)
                     self._wakeup.clear()
                     continue
                 for request in self.engine.step():
-                    self._deliver(request)
+                    try:
+                        self._deliver(request)
+                    except Exception:  # noqa: BLE001 - one request's failure must not end the loop
+                        logger.exception("request %s: delivering its output failed", request.request_id)
+                        self._end_failed(request)
         except BaseException as e:  # noqa: BLE001 - the loop must report any death
             logger.exception("the engine loop died")
             self.error = e
@@ -141,7 +155,7 @@ class EngineLoop:
             if command == "add":
                 try:
                     self.engine.add_request(arg.request)
-                except ValueError as e:
+                except Exception as e:  # noqa: BLE001 - this request's error, not the loop's
                     arg.put(StreamDelta([], error=e))
                     continue
                 self._streams[arg.request_id] = arg
@@ -153,9 +167,21 @@ class EngineLoop:
                 if stream is not None:
                     stream.put(StreamDelta([], finish_reason="abort"))
 
+    def _end_failed(self, request: Request) -> None:
+        self.engine.fail_request(request.request_id, "delivering its output failed")
+        self._sent.pop(request.request_id, None)
+        stream = self._streams.pop(request.request_id, None)
+        if stream is not None:
+            stream.put(StreamDelta([], finish_reason="error", error=RequestFailed("delivering its output failed")))
+
     def _deliver(self, request: Request) -> None:
         stream = self._streams.get(request.request_id)
         if stream is None:
+            return
+        if request.status is RequestStatus.FINISHED_ERROR:
+            self._streams.pop(request.request_id)
+            self._sent.pop(request.request_id)
+            stream.put(StreamDelta([], finish_reason="error", error=RequestFailed(request.error)))
             return
         sent_tokens, sent_chars = self._sent[request.request_id]
         finished = request.status.is_finished

@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -209,11 +209,13 @@ class ModelRunner:
 
     # -- one step ---------------------------------------------------------------------------------
 
-    def execute(self, seqs: list[ScheduledSeq]) -> SamplerOutput:
+    def execute(self, seqs: list[ScheduledSeq],
+                on_row_error: Callable[[int, Exception], None] | None = None) -> SamplerOutput:
         """Launches one step over the scheduled sequences; returns its (device) sampler output.
 
         The result is not waited for: callers can do host work while the device runs, then read it
-        with `fetch`.
+        with `fetch`. on_row_error: if given, a sequence whose sampling row cannot be built runs as an
+        inert greedy row and is reported (its index and the error) instead of failing the step.
         """
         assert seqs, "nothing scheduled"
         num_tokens = sum(len(s.token_ids) for s in seqs)
@@ -224,7 +226,7 @@ class ModelRunner:
             kind, bucket = "prefill", pick_bucket(self.prefill_buckets, num_tokens)
             num_seqs = min(bucket, self.cfg.max_num_seqs)
         assert len(seqs) <= num_seqs, (len(seqs), num_seqs)
-        inputs = self._build_inputs(seqs, num_tokens=bucket, num_seqs=num_seqs)
+        inputs = self._build_inputs(seqs, num_tokens=bucket, num_seqs=num_seqs, on_row_error=on_row_error)
         if (kind, bucket) not in self._executables:
             self.warmup(show_progress=False)  # only before warm-up ran; afterwards every key exists
         output, self.kv_cache = self._executables[kind, bucket](self.params, self.kv_cache, inputs)
@@ -237,7 +239,8 @@ class ModelRunner:
             return SamplerOutput(np.asarray(output.token_ids)[:num_seqs], None, None, None)
         return SamplerOutput(*(np.asarray(a)[:num_seqs] for a in output))
 
-    def _build_inputs(self, seqs: list[ScheduledSeq], num_tokens: int, num_seqs: int) -> StepInputs:
+    def _build_inputs(self, seqs: list[ScheduledSeq], num_tokens: int, num_seqs: int,
+                      on_row_error: Callable[[int, Exception], None] | None = None) -> StepInputs:
         page_size = self.cfg.block_size
         token_ids = np.zeros(num_tokens, np.int32)
         positions = np.zeros(num_tokens, np.int32)
@@ -256,7 +259,14 @@ class ModelRunner:
             slot_mapping[row:row + n] = table[pos // page_size] * page_size + pos % page_size
             block_tables[i, : len(table)] = table
             kv_lens[i] = s.num_computed_tokens + n
-            self._fill_sampling_row(sampling, i, s)
+            try:
+                self._fill_sampling_row(sampling, i, s)
+            except Exception as e:  # noqa: BLE001 - handed to the caller, or re-raised
+                if on_row_error is None:
+                    raise
+                for field, inert in zip(sampling, self._empty_sampling(1)):
+                    field[i] = inert[0]
+                on_row_error(i, e)
             row += n
             cu_q_lens[i + 1] = row
         cu_q_lens[len(seqs) + 1:] = row

@@ -19,10 +19,11 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # this request failed while being served; the others went on
 
     @property
     def is_finished(self) -> bool:
-        return self.value in ("stop", "length", "abort")
+        return self.value in ("stop", "length", "abort", "error")
 
 
 @dataclasses.dataclass(eq=False)
@@ -43,6 +44,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at (last) admission
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    error: str | None = None  # why it failed, with status FINISHED_ERROR
     # Per output token, when sampling_params.logprobs is set: {token_id: logprob}, sampled token first.
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     detokenizer: object | None = None  # IncrementalDetokenizer, set by the engine

@@ -16,10 +16,13 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import logging
 
 from jaxserve.config import EngineConfig
 from jaxserve.page_pool import PagePool
 from jaxserve.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -198,12 +201,22 @@ class Scheduler:
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prompt chunk that is not the last: its sample is meaningless
             request.output_token_ids.append(int(token))
-            if request.sampling_params.logprobs is not None:
-                request.logprobs.append(_logprob_entry(sampled, i, request.sampling_params.logprobs))
             updated.append(request)
+            if request.sampling_params.logprobs is not None:
+                try:
+                    request.logprobs.append(_logprob_entry(sampled, i, request.sampling_params.logprobs))
+                except Exception:  # noqa: BLE001 - one request's failure must not end the others' step
+                    logger.exception("request %s: building its logprobs failed", request.request_id)
+                    self.fail(request, "building its logprobs failed")
+                    continue
             if request.check_stop():
                 self.finish(request)
         return updated
+
+    def fail(self, request: Request, message: str) -> None:
+        """Ends one request with finish reason "error" (pages freed); `message` is for its client."""
+        request.error = message
+        self.finish(request, RequestStatus.FINISHED_ERROR)
 
     def finish(self, request: Request, status: RequestStatus | None = None) -> None:
         if status is not None:

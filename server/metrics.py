@@ -1,8 +1,9 @@
 """Prometheus metrics with vLLM's names under a `jaxserve:` prefix.
 
 Request-level histograms and counters are observed by the HTTP layer as tokens stream out; the
-engine's own state (running/waiting requests, KV usage, prefix cache, preemptions) is read from
-`LLMEngine.get_stats()` at scrape time, so the engine thread does no metrics work.
+engine's own state (running/waiting requests, KV usage, prefix cache, preemptions) is read at scrape
+time from the stats snapshot the engine loop publishes (`EngineLoop.stats`): the event loop never
+calls into the engine, and the engine thread does no metrics work.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0
 
 
 class _EngineCollector:
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine_loop):
+        self.engine_loop = engine_loop
 
     def collect(self):
-        stats = self.engine.get_stats()
+        stats = self.engine_loop.stats
         gauges = {
             "num_requests_running": ("Requests in the running batch", stats["num_running"]),
             "num_requests_waiting": ("Requests waiting to be scheduled", stats["num_waiting"]),
@@ -43,9 +44,9 @@ class _EngineCollector:
 
 
 class Metrics:
-    def __init__(self, engine):
+    def __init__(self, engine_loop):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine))
+        self.registry.register(_EngineCollector(engine_loop))
         r = self.registry
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=_LATENCY_BUCKETS)
