@@ -16,7 +16,7 @@ import jaxserve
 from jaxserve.engine_loop import EngineLoop
 from server import prompts as edge
 from server.admission import ServerState, Submission, submit
-from server.errors import APIError, APIKeyMiddleware, error_response, install_error_handlers
+from server.errors import APIError, APIKeyMiddleware, BodySizeLimitMiddleware, error_response, install_error_handlers
 from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from server.responses import ChatFormat, ChoiceFormat, CompletionFormat, whole_response
 from server.streaming import collect, sse_response
@@ -27,13 +27,14 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
 def create_app(engine_loop: EngineLoop, served_model_name: str, *, api_key: str | None = None,
                max_queued_requests: int = 256,
                max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
-    app = FastAPI(title="jaxserve", version=jaxserve.__version__, max_body_size=max_request_body_bytes,
+    app = FastAPI(title="jaxserve", version=jaxserve.__version__,
                   description="OpenAI-compatible API of the jaxserve inference engine")
     state = ServerState(engine_loop, served_model_name, max_queued_requests)
     app.state.jaxserve = state
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)  # outermost: before auth
 
     @app.get("/health")
     async def health():

@@ -1,4 +1,4 @@
-"""The error model, and the API key check in front of /v1/*.
+"""The error model, and the guards in front of the routes: the API key, the request body's size.
 
 Every error a client sees is `{"error": {"message", "type", "param", "code"}}` with the HTTP status,
 whatever raised it: an `APIError` from a handler, a request that does not parse, an unknown route,
@@ -11,7 +11,7 @@ from __future__ import annotations
 import hmac
 import logging
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -91,3 +91,32 @@ class APIKeyMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class BodySizeLimitMiddleware:
+    """A request body over `max_bytes` is a 413: refused unread when its Content-Length says so, or
+    as soon as the bytes of a chunked body pass the limit (raised as an HTTPException while the route
+    reads the body, so it gets the same error shape)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        message = f"the request body is larger than this server accepts ({self.max_bytes} bytes)"
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await error_response(413, message)(scope, receive, send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            event = await receive()
+            if event["type"] == "http.request":
+                received += len(event.get("body", b""))
+                if received > self.max_bytes:
+                    raise HTTPException(413, message)
+            return event
+
+        await self.app(scope, limited_receive, send)
