@@ -21,12 +21,9 @@ from server.protocol import ChatCompletionRequest, CompletionRequest, Detokenize
 from server.responses import ChatFormat, ChoiceFormat, CompletionFormat, whole_response
 from server.streaming import collect, sse_response
 
-DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
 
-
-def create_app(engine_loop: EngineLoop, served_model_name: str, *, api_key: str | None = None,
-               max_queued_requests: int = 256,
-               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_body_bytes: int,
+               api_key: str | None = None, max_queued_requests: int = 256) -> FastAPI:
     app = FastAPI(title="jaxserve", version=jaxserve.__version__,
                   description="OpenAI-compatible API of the jaxserve inference engine")
     state = ServerState(engine_loop, served_model_name, max_queued_requests)

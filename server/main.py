@@ -2,8 +2,11 @@
 
 The engine loop runs in a thread beside uvicorn's event loop rather than in another process: XLA
 releases the GIL while a step runs, so request parsing and /health stay responsive, and a thread
-shares the tokenizer and needs no IPC for token deltas. Ctrl-C stops uvicorn; the shutdown hook
-stops the engine thread, which ends every open stream with an error event.
+shares the tokenizer and needs no IPC for token deltas.
+
+SIGTERM or Ctrl-C drains the server: it stops admitting (503, /health too, so a router takes it
+out), lets in-flight requests finish for up to `--shutdown-timeout` seconds, ends the rest with an
+error event, then stops uvicorn and the engine thread and exits 0. A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import os
 import sys
 import time
 
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20  # prompts of a long context, as text or token ids, fit easily
+
 
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
@@ -22,6 +27,7 @@ def serve(args: argparse.Namespace) -> None:
     from jaxserve.engine_loop import EngineLoop
     from jaxserve.llm import LLM
     from server.app import create_app
+    from server.draining import DrainingServer
 
     started = time.perf_counter() - _process_age()
     load_start = time.perf_counter()
@@ -31,7 +37,8 @@ def serve(args: argparse.Namespace) -> None:
     name = args.served_model_name or (os.path.basename(str(args.model).rstrip("/")) if args.model
                                       else "SmolLM2-135M-Instruct")
     api_key = args.api_key or os.environ.get("JAXSERVE_API_KEY")
-    app = create_app(engine_loop, name, api_key=api_key, max_queued_requests=args.max_queued_requests)
+    app = create_app(engine_loop, name, api_key=api_key, max_queued_requests=args.max_queued_requests,
+                     max_request_body_bytes=args.max_request_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -44,9 +51,11 @@ def serve(args: argparse.Namespace) -> None:
               f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
         yield
         engine_loop.shutdown()
+        app.state.jaxserve.shutdown_executor()
 
     app.router.lifespan_context = lifespan
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    DrainingServer(config, lambda: app.state.jaxserve.drain(args.shutdown_timeout)).run()
 
 
 def _process_age() -> float:
@@ -70,3 +79,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                                                          "(or set JAXSERVE_API_KEY)")
     parser.add_argument("--max-queued-requests", type=int, default=256,
                         help="requests waiting beyond max_num_seqs before the server answers 503")
+    parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        help="larger request bodies are refused with 413")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM/SIGINT, seconds to let in-flight requests finish before ending them "
+                             "with an error")

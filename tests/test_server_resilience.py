@@ -1,0 +1,163 @@
+"""A real `jaxserve serve` process under shutdown signals and under a storm of hostile traffic.
+
+Shutdown (tiny random llama): SIGTERM stops admission at once (503, /health too), lets in-flight
+streams finish within `--shutdown-timeout`, ends the rest with an error event, and exits 0.
+The storm (the default model, whose real byte-level tokenizer meets random tokens at temperature 2):
+sampling, dropped streams, huge stop lists, prompts and logit_bias maps, malformed bodies, all at
+once; no 5xx, /health 200 throughout, and afterwards a normal request is served and KV usage is 0.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from server_helpers import AUTH, SMALL_FLAGS, metric, metric_samples, parse_sse, run_server
+
+
+def _stream(url: str, body: dict):
+    return httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH, timeout=120)
+
+
+def _long_stream_body(max_tokens: int = 480) -> dict:
+    return {"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "temperature": 0}
+
+
+def test_sigterm_drains_in_flight_streams_then_exits_0(tiny_model_dir):
+    with run_server([str(tiny_model_dir("llama")), *SMALL_FLAGS, "--shutdown-timeout", "120"]) as srv:
+        with _stream(srv.url, _long_stream_body()) as response:
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            srv.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+            refused = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                                 headers=AUTH, timeout=30)
+            health = httpx.get(srv.url + "/health", timeout=30)
+            events, done = parse_sse([first, *lines])
+        assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+        assert health.status_code == 503
+        assert done and events[-1]["choices"][0]["finish_reason"] == "length"
+        assert sum(len(e["choices"][0]["text"]) > 0 for e in events) > 1
+        assert srv.proc.wait(timeout=60) == 0
+
+
+def test_requests_still_running_at_the_shutdown_timeout_end_with_an_error_event(tiny_model_dir):
+    with run_server([str(tiny_model_dir("llama")), *SMALL_FLAGS, "--shutdown-timeout", "0.3"]) as srv:
+        with _stream(srv.url, _long_stream_body()) as response:
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            srv.proc.send_signal(signal.SIGTERM)
+            events, done = parse_sse([first, *lines])
+        assert done, "the stream must still end with [DONE]"
+        error = events[-1]["error"]
+        assert error["code"] == 503 and "shutting down" in error["message"]
+        assert srv.proc.wait(timeout=60) == 0
+
+
+# -------------------------------------------------------------------------------------------------
+# the storm
+
+
+@pytest.fixture(scope="module")
+def default_server():
+    # The engine shape of test_default_model's LLM, so the executables come from the session's cache.
+    with run_server(["--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "128",
+                     "--max-queued-requests", "256", "--api-key", AUTH["Authorization"].split()[1],
+                     "--max-request-body-bytes", str(8 * 2**20)]) as srv:
+        yield srv
+
+
+class _HealthWatch(threading.Thread):
+    """Polls /health until stopped; keeps every status it saw."""
+
+    def __init__(self, url: str):
+        super().__init__(daemon=True)
+        self.url, self.statuses, self.stop = url, [], threading.Event()
+
+    def run(self):
+        with httpx.Client(timeout=30) as client:
+            while not self.stop.is_set():
+                self.statuses.append(client.get(self.url + "/health").status_code)
+                time.sleep(0.05)
+
+
+@pytest.mark.default_model
+def test_a_storm_of_sampling_drops_and_hostile_bodies_leaves_the_server_healthy(default_server):
+    url = default_server.url
+    watch = _HealthWatch(url)
+    watch.start()
+    statuses: list[tuple[str, int]] = []
+
+    def sampled(i: int):
+        body = {"messages": [{"role": "user", "content": f"Say something surprising, number {i}."}],
+                "temperature": 2.0, "top_k": 0, "max_tokens": 160, "ignore_eos": True, "stream": i % 2 == 0}
+        if body["stream"]:
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=AUTH, timeout=600) as r:
+                events, done = parse_sse(r.iter_lines())
+                statuses.append(("sampled-stream", r.status_code))
+                assert done and all("error" not in e for e in events), events[-1:]
+                assert events[-1]["choices"][0]["finish_reason"] == "length"
+        else:
+            r = httpx.post(url + "/v1/chat/completions", json=body, headers=AUTH, timeout=600)
+            statuses.append(("sampled", r.status_code))
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+            assert r.json()["usage"]["completion_tokens"] == 160
+
+    def dropped(i: int):
+        body = {"prompt": f"Tell me about the number {i}.", "max_tokens": 200, "stream": True, "temperature": 1.0}
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH, timeout=600) as r:
+            statuses.append(("dropped", r.status_code))
+            if i % 2:  # after the first chunk; otherwise before reading anything
+                next(r.iter_lines())
+
+    def hostile(kind: str):
+        plain = {"prompt": "hello", "max_tokens": 4}
+        bodies = {
+            "stop list": json.dumps({**plain, "stop": [f"stop{i}" for i in range(20_000)]}),
+            "5 MB prompt": json.dumps({**plain, "prompt": "lorem ipsum " * (5 * 2**20 // 12)}),
+            "logit_bias": json.dumps({**plain, "logit_bias": {str(i): 1.0 for i in range(10_000)}}),
+            "bad json": '{"prompt": "hello", "max_tokens": ',
+            "bad types": '{"prompt": {"a": 1}, "max_tokens": [1]}',
+            "surrogate": '{"messages": [{"role": "user", "content": "\\ud800"}]}',
+            "empty": "",
+        }
+        path = "/v1/chat/completions" if kind == "surrogate" else "/v1/completions"
+        r = httpx.post(url + path, content=bodies[kind], headers={**AUTH, "Content-Type": "application/json"},
+                       timeout=600)
+        statuses.append((kind, r.status_code))
+        assert r.status_code in (400, 413), (kind, r.status_code, r.text[:300])
+        assert r.json()["error"]["code"] == r.status_code
+
+    kinds = ["stop list", "5 MB prompt", "logit_bias", "bad json", "bad types", "surrogate", "empty"]
+    with concurrent.futures.ThreadPoolExecutor(48) as pool:
+        futures = [pool.submit(sampled, i) for i in range(24)]
+        futures += [pool.submit(dropped, i) for i in range(120)]
+        futures += [pool.submit(hostile, kind) for kind in kinds]
+        for future in futures:
+            future.result()
+    watch.stop.set()
+    watch.join(30)
+
+    assert not [s for s in statuses if s[1] >= 500], statuses
+    assert watch.statuses and set(watch.statuses) == {200}, sorted(set(watch.statuses))
+    answer = httpx.post(url + "/v1/chat/completions", headers=AUTH, timeout=120, json={
+        "messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0,
+        "max_tokens": 20})
+    assert answer.status_code == 200 and "Paris" in answer.json()["choices"][0]["message"]["content"]
+    deadline = time.monotonic() + 30
+    while True:
+        samples = metric_samples(url)
+        usage, running = metric(samples, "jaxserve:kv_cache_usage_perc"), metric(samples, "jaxserve:num_requests_running")
+        if (usage, running) == (0, 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert (usage, running) == (0, 0)
+    assert metric(samples, "jaxserve:request_success_total", finished_reason="error") == 0
