@@ -6,7 +6,7 @@ page_size+1 and a long one spanning several KV blocks (so the two-stage copy rin
 softmax across blocks run), over shuffled pages in a pool whose every unowned slot holds large
 garbage: reading a wrong slot unmasked shows up as a large error. The default run covers head dims,
 page sizes, GQA ratios, sliding window, soft-cap and both dtypes with a covering set of cases (each
-dimension's values all appear); `pytest -m slow` runs the full product, which plain `pytest` skips.
+dimension's values all appear); `pytest -m slow` runs the full product, which plain `pytest` deselects (pyproject's addopts).
 
 Tolerances (max |out - ref| over real rows, outputs are O(1)): float32 1e-5 (observed ~1e-6);
 bfloat16 4e-2 with relative Frobenius error 1e-2 (the kernel rounds P to bf16 for the tensor-core PV
@@ -53,13 +53,6 @@ def _full_precision_float32_dots():
     and the interpreted float32 kernels are compared at full float32 precision."""
     with jax.default_matmul_precision("highest"):
         yield
-
-
-@pytest.fixture(autouse=True)
-def _slow_only_when_selected(request):
-    """The `slow` sweep runs only when asked for (`pytest -m slow`); CI's plain `pytest` skips it."""
-    if request.node.get_closest_marker("slow") and "slow" not in (request.config.option.markexpr or ""):
-        pytest.skip("slow sweep: run with -m slow")
 
 
 def ragged_lengths(page_size: int) -> list[tuple[int, int]]:

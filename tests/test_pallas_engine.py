@@ -77,6 +77,7 @@ def test_pallas_interpret_generates_the_same_greedy_tokens_as_xla(llama64_dir):
     assert len({tuple(r.outputs[0].token_ids) for r in xla}) > 1, "degenerate model: every output the same"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU (the interpreted kernels are checked on CPU above)")
 def test_pallas_on_gpu_generates_the_same_greedy_tokens_as_xla(llama64_dir):
     """The compiled kernels inside the engine, in bfloat16, against XLA's attention on the same GPU:
