@@ -14,8 +14,10 @@
 
 Both spread their work over XLA's own intra-op threads. They need a C++ compiler (`c++`, or $CXX)
 once: the library is cached under ~/.cache/jaxserve/kernels (JAXSERVE_KERNEL_CACHE moves it), keyed
-by the sources, the flags and the jaxlib version. Without a compiler `kernel_error()` says why, and
-the engine keeps XLA's attention and dot. float32 only.
+by everything that decides the machine code (`cache_key`): the sources, the compiler and its flags,
+the jax version, and the CPU's instruction-set features, since `-march=native` builds for this CPU
+alone and a cache shared with another CPU must not load it. Compiler warnings go to the log. Without
+a compiler `kernel_error()` says why, and the engine keeps XLA's attention and dot. float32 only.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import ctypes
 import dataclasses
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -36,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+logger = logging.getLogger(__name__)
 KERNELS_DIR = Path(__file__).parent / "cpu_kernels"
 SOURCES = (KERNELS_DIR / "paged_row_attention.cc", KERNELS_DIR / "packed_matmul.cc")
 HEADERS = (KERNELS_DIR / "parallel_for.h", KERNELS_DIR / "vec_math.h")
@@ -48,14 +52,63 @@ PACK_BLOCK = 48  # columns per packed block: kBlock in packed_matmul.cc, which c
 _registered = False  # XLA keeps the first handler registered under a target for the process
 _register_lock = threading.Lock()
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-         "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17", "-w")
+         "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17", "-Wall")
 
 
-def _library_path(compiler: str) -> Path:
-    key = "|".join([*(source.read_text() for source in SOURCES + HEADERS), compiler, *FLAGS, jax.__version__,
-                    platform.machine()])
+def cpu_features() -> str:
+    """This CPU's instruction-set features as the kernel reports them (Linux: the `flags` line of
+    /proc/cpuinfo on x86, `Features` on Arm), else the processor's name."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name.strip() in ("flags", "Features"):
+                    return " ".join(sorted(value.split()))
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@functools.cache
+def compiler_identity(compiler: str) -> str:
+    """The compiler's resolved path and version line: another compiler makes other code."""
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    first_line = version.splitlines()[0] if version else ""
+    return f"{shutil.which(compiler) or compiler} {first_line}"
+
+
+def cache_key(sources: list[str], compiler: str, flags: tuple[str, ...], jax_version: str, machine: str,
+              features: str) -> str:
+    """The library's cache key: a change in any input that decides the machine code changes it."""
+    parts = [*sources, compiler, *flags, jax_version, machine, features]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def library_path(compiler: str) -> Path:
+    key = cache_key([source.read_text() for source in SOURCES + HEADERS], compiler_identity(compiler), FLAGS,
+                    jax.__version__, platform.machine(), cpu_features())
     root = os.environ.get("JAXSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "jaxserve" / "kernels"
-    return Path(root).expanduser() / f"cpu_kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    return Path(root).expanduser() / f"cpu_kernels-{key}.so"
+
+
+def build_library(compiler: str, sources: tuple[Path, ...], library: Path) -> str | None:
+    """Compiles `sources` into the shared library `library` (atomically); returns why it failed, or
+    None. Compiler warnings are logged."""
+    library.parent.mkdir(parents=True, exist_ok=True)
+    tmp = library.with_name(f"{library.stem}.tmp{os.getpid()}.so")
+    # JAX's FFI headers as system headers: their warnings are not ours to fix.
+    command = [compiler, *FLAGS, "-isystem", jax.ffi.include_dir(), *map(str, sources), "-o", str(tmp)]
+    build = subprocess.run(command, capture_output=True, text=True)
+    if build.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        return f"building the CPU kernels failed: {build.stderr.strip()[-500:]}"
+    if build.stderr.strip():
+        logger.warning("the CPU kernels built with compiler warnings:\n%s", build.stderr.strip())
+    os.replace(tmp, library)
+    return None
 
 
 def kernel_error() -> str | None:
@@ -69,17 +122,12 @@ def _build_and_register() -> str | None:
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         return f"no C++ compiler ({compiler!r} is not on PATH) to build the CPU kernels"
-    library = _library_path(compiler)
+    library = library_path(compiler)
     if not library.exists():
         print("jaxserve: building the CPU kernels (once)", file=sys.stderr, flush=True)
-        library.parent.mkdir(parents=True, exist_ok=True)
-        tmp = library.with_name(f"{library.stem}.tmp{os.getpid()}.so")
-        command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(tmp)]
-        build = subprocess.run(command, capture_output=True, text=True)
-        if build.returncode != 0:
-            tmp.unlink(missing_ok=True)
-            return f"building the CPU kernels failed: {build.stderr.strip()[-500:]}"
-        os.replace(tmp, library)
+        error = build_library(compiler, SOURCES, library)
+        if error is not None:
+            return error
     global _registered
     if not _registered:
         try:

@@ -1,0 +1,45 @@
+"""Building and caching the C++ CPU kernels: the cache key covers everything that decides the machine
+code (a library built for another CPU's features must never be loaded here), and compiler warnings
+reach the log instead of being silenced."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+
+from jaxserve import cpu_ffi
+
+BASE = dict(sources=["int f();"], compiler="/usr/bin/c++ c++ 12.2.0", flags=("-O3", "-march=native"),
+            jax_version="0.10.2", machine="x86_64", features="avx2 avx512f fma sse4_2")
+
+
+@pytest.mark.parametrize("field, other", [
+    ("features", "avx2 fma sse4_2"),  # the same machine type without AVX-512: -march=native differs
+    ("compiler", "/usr/bin/clang++ clang 17"),
+    ("flags", ("-O2", "-march=native")),
+    ("jax_version", "0.11.2"),
+    ("machine", "aarch64"),
+    ("sources", ["int f(); // changed"]),
+])
+def test_the_cache_key_changes_with_everything_that_decides_the_machine_code(field, other):
+    assert cpu_ffi.cache_key(**BASE) == cpu_ffi.cache_key(**BASE)
+    assert cpu_ffi.cache_key(**{**BASE, field: other}) != cpu_ffi.cache_key(**BASE)
+
+
+def test_the_library_path_depends_on_this_cpus_features(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
+    here = cpu_ffi.library_path("c++")
+    monkeypatch.setattr(cpu_ffi, "cpu_features", lambda: "sse2")
+    assert cpu_ffi.library_path("c++") != here
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler (c++ on PATH)")
+def test_compiler_warnings_are_logged(tmp_path, caplog):
+    source = tmp_path / "warns.cc"
+    source.write_text("int answer() { int unused = 1; return 42; }\n")
+    with caplog.at_level(logging.WARNING, logger="jaxserve.cpu_ffi"):
+        assert cpu_ffi.build_library("c++", (source,), tmp_path / "warns.so") is None
+    assert (tmp_path / "warns.so").exists()
+    assert any("unused" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
