@@ -6,7 +6,8 @@ page_size+1 and a long one spanning several KV blocks (so the two-stage copy rin
 softmax across blocks run), over shuffled pages in a pool whose every unowned slot holds large
 garbage: reading a wrong slot unmasked shows up as a large error. The default run covers head dims,
 page sizes, GQA ratios, sliding window, soft-cap and both dtypes with a covering set of cases (each
-dimension's values all appear); `pytest -m slow` runs the full product, which plain `pytest` deselects (pyproject's addopts).
+dimension's values all appear); `pytest -m slow` runs the full product, which a plain `pytest`
+deselects (pyproject's addopts).
 
 Tolerances (max |out - ref| over real rows, outputs are O(1)): float32 1e-5 (observed ~1e-6);
 bfloat16 4e-2 with relative Frobenius error 1e-2 (the kernel rounds P to bf16 for the tensor-core PV
