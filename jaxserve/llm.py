@@ -107,13 +107,18 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Applies the model's chat template to one conversation or a list of them, then generates."""
+             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+        """Applies the chat template to one conversation or a list of them, then generates.
+
+        chat_template: a Jinja template to use instead of the model's own (vLLM's argument), for a
+        model that ships none (many GGUF files) or to override it."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        if self.tokenizer.chat_template is None:
-            raise ValueError("this model's tokenizer has no chat template; use generate()")
+        template = chat_template or self.tokenizer.chat_template
+        if template is None:
+            raise ValueError("this model's tokenizer has no chat template: pass chat_template=, or use generate()")
         prompts = [
-            self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+            self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                               chat_template=template)
             for conv in conversations
         ]
         if sampling_params is None:

@@ -33,6 +33,8 @@ def serve(args: argparse.Namespace) -> None:
     load_start = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, **_engine_kwargs(args))
     warmup = llm.warmup_summary
+    if args.chat_template:
+        llm.tokenizer.chat_template = _read_chat_template(args.chat_template)
     engine_loop = EngineLoop(llm.engine).start()
     name = args.served_model_name or (os.path.basename(str(args.model).rstrip("/")) if args.model
                                       else "SmolLM2-135M-Instruct")
@@ -58,6 +60,16 @@ def serve(args: argparse.Namespace) -> None:
     DrainingServer(config, lambda: app.state.jaxserve.drain(args.shutdown_timeout)).run()
 
 
+def _read_chat_template(value: str) -> str:
+    """--chat-template: a file holding a Jinja template, or the template itself (as vLLM takes it)."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
+
+
 def _process_age() -> float:
     """Seconds since this process started (from /proc on Linux; 0 elsewhere), so that the ready time
     includes the Python start-up and imports a user waits through."""
@@ -81,6 +93,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                         help="requests waiting beyond max_num_seqs before the server answers 503")
     parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         help="larger request bodies are refused with 413")
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template (a file, or the template itself) to use instead of the "
+                             "model's own, for a model that ships none")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM/SIGINT, seconds to let in-flight requests finish before ending them "
                              "with an error")
