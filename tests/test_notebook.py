@@ -78,6 +78,8 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     client.execute()  # raises CellExecutionError, with the traceback, if any cell fails
 
     assert "Paris" in _text_output(_cell(nb, "chat"))
+    own_template = _text_output(_cell(nb, "chat-template"))
+    assert "Paris" in own_template and "InvalidParameter on 'stop'" in own_template
     shapes = _text_output(_cell(nb, "compiled-shapes"))
     assert "executables compiled in" in shapes
     assert "prefill token buckets" in shapes and "decode batch buckets" in shapes
