@@ -10,6 +10,7 @@ once; no 5xx, /health 200 throughout, and afterwards a normal request is served 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import signal
 import threading
@@ -21,44 +22,40 @@ import pytest
 from server_helpers import AUTH, SMALL_FLAGS, metric, metric_samples, parse_sse, run_server
 
 
-def _stream(url: str, body: dict):
-    return httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH, timeout=120)
-
-
-def _long_stream_body(max_tokens: int = 480) -> dict:
-    return {"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "temperature": 0}
+@contextlib.contextmanager
+def _sigterm_during_a_long_stream(tiny_model_dir, shutdown_timeout: str):
+    """Starts a server and a long greedy stream, sends SIGTERM after its first chunk, and yields
+    (the server, a function that reads the rest of the stream as (events, ended with [DONE]))."""
+    body = {"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True, "stream": True, "temperature": 0}
+    with run_server([str(tiny_model_dir("llama")), *SMALL_FLAGS, "--shutdown-timeout", shutdown_timeout]) as srv:
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, headers=AUTH, timeout=120) as response:
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            srv.proc.send_signal(signal.SIGTERM)
+            yield srv, lambda: parse_sse([first, *lines])
 
 
 def test_sigterm_drains_in_flight_streams_then_exits_0(tiny_model_dir):
-    with run_server([str(tiny_model_dir("llama")), *SMALL_FLAGS, "--shutdown-timeout", "120"]) as srv:
-        with _stream(srv.url, _long_stream_body()) as response:
-            lines = response.iter_lines()
-            first = next(line for line in lines if line.startswith("data: "))
-            srv.proc.send_signal(signal.SIGTERM)
-            time.sleep(0.2)
-            refused = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                                 headers=AUTH, timeout=30)
-            health = httpx.get(srv.url + "/health", timeout=30)
-            events, done = parse_sse([first, *lines])
-        assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
-        assert health.status_code == 503
-        assert done and events[-1]["choices"][0]["finish_reason"] == "length"
-        assert sum(len(e["choices"][0]["text"]) > 0 for e in events) > 1
-        assert srv.proc.wait(timeout=60) == 0
+    with _sigterm_during_a_long_stream(tiny_model_dir, "120") as (srv, rest_of_stream):
+        time.sleep(0.2)
+        refused = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=AUTH,
+                             timeout=30)
+        health = httpx.get(srv.url + "/health", timeout=30)
+        events, done = rest_of_stream()
+    assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+    assert health.status_code == 503
+    assert done and events[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(len(e["choices"][0]["text"]) > 0 for e in events) > 1
+    assert srv.proc.wait(timeout=60) == 0
 
 
 def test_requests_still_running_at_the_shutdown_timeout_end_with_an_error_event(tiny_model_dir):
-    with run_server([str(tiny_model_dir("llama")), *SMALL_FLAGS, "--shutdown-timeout", "0.3"]) as srv:
-        with _stream(srv.url, _long_stream_body()) as response:
-            lines = response.iter_lines()
-            first = next(line for line in lines if line.startswith("data: "))
-            srv.proc.send_signal(signal.SIGTERM)
-            events, done = parse_sse([first, *lines])
-        assert done, "the stream must still end with [DONE]"
-        error = events[-1]["error"]
-        assert error["code"] == 503 and "shutting down" in error["message"]
-        assert srv.proc.wait(timeout=60) == 0
+    with _sigterm_during_a_long_stream(tiny_model_dir, "0.3") as (srv, rest_of_stream):
+        events, done = rest_of_stream()
+    assert done, "the stream must still end with [DONE]"
+    error = events[-1]["error"]
+    assert error["code"] == 503 and "shutting down" in error["message"]
+    assert srv.proc.wait(timeout=60) == 0
 
 
 # -------------------------------------------------------------------------------------------------
