@@ -55,7 +55,7 @@ def log(message: str) -> None:
 
 class JaxserveBench:
     def __init__(self, max_batch: int, prompt_len: int, decode_steps: int):
-        from jaxserve.config import EngineConfig
+        from jaxserve.engine_config import EngineConfig
         from jaxserve.model_runner import ModelRunner
         from jaxserve.page_pool import PagePool
         from jaxserve.weights import load_model

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.attention import AttentionMetadata, ragged_paged_attention
-from jaxserve.config import ATTENTION_BACKENDS, MATMUL_BACKENDS, EngineConfig, ModelConfig
+from jaxserve.config import ModelConfig
+from jaxserve.engine_config import ATTENTION_BACKENDS, MATMUL_BACKENDS, EngineConfig
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import ModelConfig
+from jaxserve.engine_config import EngineConfig
 from jaxserve.model_runner import ModelRunner
 
 PLATFORMS = {"cuda": "gpu", "cpu": "cpu"}  # lowering platform -> JAX backend name

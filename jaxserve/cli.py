@@ -1,58 +1,22 @@
-"""The `jaxserve` command: generate, chat, convert, check-lowering (the server and benchmarks add their own).
+"""The `jaxserve` command: serve, generate, chat, convert, bench, check-lowering.
 
-Engine flags use vLLM's names (`--max-model-len`, `--max-num-seqs`, ...); each maps onto a field of
-`EngineConfig`. Bad input ends with a one-line error and exit code 2, never a traceback.
+Engine flags come from `EngineConfig`'s declaration (`engine_config.py`), with vLLM's names
+(`--max-model-len`, `--max-num-seqs`, ...); the server (`server/main.py`) and the benchmarks
+(`jaxserve/bench/cli.py`) add their own. Bad input ends with a one-line error and exit code 2, never a
+traceback. Heavy imports (JAX, the engine) happen inside the commands, so `--help` stays quick.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
-from jaxserve.config import ATTENTION_BACKENDS, MATMUL_BACKENDS, EngineConfig, ModelLoadError
-
-
-def _add_engine_flags(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
-    defaults = EngineConfig()
-    help_text = "model directory, GGUF file or jaxserve checkpoint (default: SmolLM2-135M-Instruct)"
-    if positional_model:
-        parser.add_argument("model", nargs="?", default=None, help=help_text)
-    else:
-        parser.add_argument("--model", default=None, help=help_text)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--max-model-len", type=int, default=None, help="default: min(2048, the model's)")
-    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
-    parser.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV page")
-    parser.add_argument("--num-kv-pages", type=int, default=None, help="fixes the KV pool size")
-    parser.add_argument("--kv-cache-memory-gib", type=float, default=defaults.kv_cache_memory_bytes / 2**30,
-                        help="memory for the KV page pool (ignored with --num-kv-pages)")
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--no-mixed-batches", dest="mixed_batches", action="store_false",
-                        help="never put prompt chunks and decode rows in one step (to measure what mixing buys)")
-    parser.add_argument("--attention-backend", default=defaults.attention_backend, choices=ATTENTION_BACKENDS,
-                        help="auto: Pallas kernels on a Hopper GPU when the model fits them, the C++ attention kernel "
-                             "on a CPU (float32), else XLA")
-    parser.add_argument("--matmul-backend", default=defaults.matmul_backend, choices=MATMUL_BACKENDS,
-                        help="auto: the C++ packed-weight matmul on a CPU (float32), else XLA's dot")
-
-
-def _engine_kwargs(args: argparse.Namespace) -> dict:
-    kwargs = dict(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        num_kv_pages=args.num_kv_pages,
-        kv_cache_memory_bytes=int(args.kv_cache_memory_gib * 2**30),
-        seed=args.seed,
-        attention_backend=args.attention_backend,
-        matmul_backend=args.matmul_backend,
-        mixed_batches=args.mixed_batches,
-    )
-    if args.max_model_len is not None:
-        kwargs["max_model_len"] = args.max_model_len
-    return kwargs
+from jaxserve.bench.cli import add_bench_parser
+from jaxserve.config import ModelLoadError
+from jaxserve.engine_config import add_engine_flags, engine_config_from_args
+from server.main import add_serve_flags, serve
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int | None) -> None:
@@ -70,7 +34,7 @@ def _sampling_params(args: argparse.Namespace):
 def _make_llm(args: argparse.Namespace):
     from jaxserve.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, **_engine_kwargs(args))
+    return LLM(args.model, **dataclasses.asdict(engine_config_from_args(args)))
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -121,13 +85,12 @@ def cmd_check_lowering(args: argparse.Namespace) -> None:
     from jaxserve.check_lowering import check_lowering, format_results
     from jaxserve.weights import load_model
 
-    loaded = load_model(args.model, args.dtype)  # for its config; only the params' shapes are used
+    engine_cfg = engine_config_from_args(args)
+    loaded = load_model(args.model, engine_cfg.dtype)  # for its config; only the params' shapes are used
     model_cfg = loaded.config
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), loaded.params)
     del loaded
-    engine_kwargs = _engine_kwargs(args)
-    engine_kwargs.setdefault("max_model_len", min(2048, model_cfg.max_position_embeddings))
-    results = check_lowering(model_cfg, EngineConfig(dtype=args.dtype, **engine_kwargs), params,
+    results = check_lowering(model_cfg, engine_cfg.for_model(model_cfg.max_position_embeddings), params,
                              platform=args.platform)
     print(format_results(results, args.platform))
     if not all(r.ok for r in results):
@@ -141,20 +104,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="complete a prompt")
     gen.add_argument("prompt", nargs="+", help="one or more prompts")
-    _add_engine_flags(gen)
+    add_engine_flags(gen)
     _add_sampling_flags(gen, max_tokens=64)
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="chat with the model (one user turn per input line)")
-    _add_engine_flags(chat)
+    add_engine_flags(chat)
     _add_sampling_flags(chat, max_tokens=256)
     chat.add_argument("--system", default=None, help="a system prompt")
     chat.set_defaults(func=cmd_chat)
 
-    from server.main import add_serve_flags, serve
-
     srv = sub.add_parser("serve", help="serve a model behind an OpenAI-compatible HTTP API")
-    _add_engine_flags(srv, positional_model=True)
+    add_engine_flags(srv, positional_model=True)
     add_serve_flags(srv)
     srv.set_defaults(func=serve)
 
@@ -167,12 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
                               "(for transformers, vLLM, ...)")
     convert.set_defaults(func=cmd_convert)
 
-    from jaxserve.bench.cli import add_bench_parser
-
     add_bench_parser(sub)
 
     lower = sub.add_parser("check-lowering", help="lower every bucket's step functions for a platform (no GPU needed)")
-    _add_engine_flags(lower, positional_model=True)
+    add_engine_flags(lower, positional_model=True)
     lower.add_argument("--platform", default="cuda", choices=["cuda", "cpu"], help="the platform to lower for")
     lower.set_defaults(func=cmd_check_lowering)
     return parser

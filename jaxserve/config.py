@@ -1,8 +1,8 @@
-"""Frozen configs: what the model is (`ModelConfig`) and how the engine runs it (`EngineConfig`).
+"""What the model is: `ModelConfig` (and its `RopeConfig`), frozen and hashable, so it can be a
+static argument of jitted functions.
 
-Both are hashable so they can be static arguments of jitted functions. This module owns the
-translation from a Hugging Face config to ours and the validation of engine settings; it does not
-load weights (see `weights.py`) or pick buckets at run time (see `buckets.py`).
+This module owns the translation from a Hugging Face config to ours and its validation; it does not
+load weights (`weights.py`). How the engine runs a model is `EngineConfig` (`engine_config.py`).
 """
 
 from __future__ import annotations
@@ -21,10 +21,6 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-# See attention_backends.py: auto = Pallas kernels on a Hopper GPU when the model fits them, else XLA.
-ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas", "pallas-interpret")
-# auto = the C++ packed-weight matmul on a CPU (float32) when it builds, else XLA's dot.
-MATMUL_BACKENDS = ("auto", "xla", "cpu")
 
 
 class ModelLoadError(ValueError):
@@ -198,56 +194,3 @@ def _rope_config(params: dict, default_theta: float, hf: Any) -> RopeConfig:
             params.get("original_max_position_embeddings", hf.max_position_embeddings)
         ),
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """How the engine runs a model: page pool, batch limits, buckets. vLLM's names where it has one."""
-
-    max_model_len: int = 2048
-    block_size: int = 16  # tokens per KV page
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    num_kv_pages: int | None = None  # fixes the pool size, overriding kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 512 * 1024**2
-    dtype: str = "float32"
-    seed: int = 0
-    enable_prefix_caching: bool = True
-    # False: a step holds either prompt chunks or decode rows, prompts first (vLLM V0's policy); only
-    # for measuring what mixing them buys (decode rows ride along with the prompts' weight reads).
-    mixed_batches: bool = True
-    # Debug: any XLA compilation after warm-up raises (tests run with it on).
-    forbid_compilation_after_warmup: bool = False
-    min_prefill_bucket: int = 16
-    min_decode_bucket: int = 1
-    prefill_query_block: int = 64  # query rows per attention tile in the ragged step (64: fastest on CPU)
-    kv_block: int = 128  # keys per attention loop iteration
-    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
-    matmul_backend: str = "auto"  # one of MATMUL_BACKENDS
-
-    def __post_init__(self):
-        def check(ok: bool, message: str):
-            if not ok:
-                raise ValueError(message)
-
-        check(self.dtype in ("float32", "bfloat16"), f"{self.dtype=} must be 'float32' or 'bfloat16'")
-        check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
-              f"{self.block_size=} must be a power of two")
-        check(self.max_model_len > 0, f"{self.max_model_len=} must be positive")
-        check(self.max_num_seqs > 0, f"{self.max_num_seqs=} must be positive")
-        check(self.max_num_batched_tokens >= self.min_prefill_bucket,
-              f"{self.max_num_batched_tokens=} must be at least {self.min_prefill_bucket=}")
-        check(self.max_num_batched_tokens >= self.max_num_seqs,
-              f"{self.max_num_batched_tokens=} must be at least {self.max_num_seqs=}")
-        check(self.num_kv_pages is None or self.num_kv_pages >= 2,
-              f"{self.num_kv_pages=} must be at least 2 (page 0 is the reserved dummy page)")
-        check(self.attention_backend in ATTENTION_BACKENDS,
-              f"{self.attention_backend=} must be one of {ATTENTION_BACKENDS}")
-        check(self.matmul_backend in MATMUL_BACKENDS, f"{self.matmul_backend=} must be one of {MATMUL_BACKENDS}")
-        check(not (self.attention_backend == "pallas-interpret" and self.forbid_compilation_after_warmup),
-              "attention_backend='pallas-interpret' compiles the GPU interpreter's helpers while it runs: "
-              "it cannot be combined with forbid_compilation_after_warmup=True")
-
-    @property
-    def pages_per_seq(self) -> int:
-        return -(-self.max_model_len // self.block_size)

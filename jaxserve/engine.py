@@ -9,12 +9,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import random
+import sys
 import threading
 import time
 
-from jaxserve.compilation import forbid_compilation, num_compilations
-from jaxserve.config import EngineConfig
+from jaxserve.compilation import enable_persistent_cache, forbid_compilation, num_compilations
+from jaxserve.engine_config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.errors import InvalidParameter
 from jaxserve.model_runner import ModelRunner, ScheduledSeq
@@ -22,7 +24,7 @@ from jaxserve.page_pool import PagePool
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling import SamplingParams
 from jaxserve.scheduler import Scheduler
-from jaxserve.weights import LoadedModel
+from jaxserve.weights import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
 _INERT_PARAMS = SamplingParams(temperature=0.0)  # the row of a request that failed before its step
@@ -30,6 +32,7 @@ _INERT_PARAMS = SamplingParams(temperature=0.0)  # the row of a request that fai
 
 class LLMEngine:
     def __init__(self, model: LoadedModel, cfg: EngineConfig):
+        cfg = cfg.for_model(model.config.max_position_embeddings)
         self.cfg = cfg
         self.model_cfg = model.config
         self.tokenizer = model.tokenizer
@@ -53,6 +56,26 @@ class LLMEngine:
         self._ids = itertools.count()
         self.last_schedule = None  # the most recent SchedulerOutput, for tests and debugging
         self.num_steps = 0  # steps that ran the model
+    @classmethod
+    def from_config(cls, model: str | os.PathLike | None, cfg: EngineConfig, *, warmup: bool = True,
+                    show_progress: bool = True) -> tuple["LLMEngine", dict | None]:
+        """Loads `model` (None: the default model), builds its engine and compiles every bucket: what
+        both the offline `LLM` and the server start from. Returns the engine and its warm-up summary
+        (None without warm-up). Progress and the engine's shape are printed to stderr."""
+        enable_persistent_cache()
+        engine = cls(load_model(model, cfg.dtype), cfg)
+        runner = engine.runner
+        print(f"jaxserve: {engine.model_cfg.architecture} from {engine.model.source}; KV cache {runner.num_pages - 1} "
+              f"pages x {engine.cfg.block_size} tokens = {runner.max_concurrent_tokens} max concurrent tokens "
+              f"({runner.kv_cache_bytes / 2**20:.0f} MiB)", file=sys.stderr)
+        if not warmup:
+            return engine, None
+        summary = engine.warmup(show_progress)
+        print(f"jaxserve: {summary['num_executables']} executables ready in {summary['seconds']:.1f} s, "
+              f"{summary['num_cache_hits']} from the compilation cache (prefill token buckets "
+              f"{summary['prefill_buckets']}, decode batch buckets {summary['decode_buckets']})", file=sys.stderr)
+        return engine, summary
+
         self.step_seconds = 0.0  # wall time inside those steps: scheduling, the model, detokenizing
         self.model_seconds = 0.0  # of which building inputs, running the model and fetching the tokens
         self._compilations_after_warmup: int | None = None

@@ -14,12 +14,10 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
-from jaxserve.compilation import enable_persistent_cache
-from jaxserve.config import EngineConfig
+from jaxserve.engine_config import engine_config
 from jaxserve.engine import LLMEngine
 from jaxserve.request import Request
 from jaxserve.sampling import SamplingParams
-from jaxserve.weights import load_model
 
 logger = logging.getLogger(__name__)
 
@@ -49,28 +47,12 @@ class RequestOutput:
 class LLM:
     """Loads a model (None = the default SmolLM2-135M-Instruct), compiles its buckets, generates."""
 
-    def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "float32",
-                 warmup: bool = True, **engine_kwargs):
-        fields = {f.name for f in dataclasses.fields(EngineConfig)}
-        unknown = sorted(set(engine_kwargs) - fields)
-        if unknown:
-            raise TypeError(f"unknown engine settings {unknown}; known: {sorted(fields)}")
-        enable_persistent_cache()
-        loaded = load_model(model, dtype)
-        engine_kwargs.setdefault("max_model_len", min(2048, loaded.config.max_position_embeddings))
-        self.config = EngineConfig(dtype=dtype, **engine_kwargs)
-        self.tokenizer = loaded.tokenizer
-        self.engine = LLMEngine(loaded, self.config)
-        runner = self.engine.runner
-        print(f"jaxserve: {loaded.config.architecture} from {loaded.source}; KV cache {runner.num_pages - 1} pages x "
-              f"{self.config.block_size} tokens = {runner.max_concurrent_tokens} max concurrent tokens "
-              f"({runner.kv_cache_bytes / 2**20:.0f} MiB)", file=sys.stderr)
-        self.warmup_summary = None
-        if warmup:
-            self.warmup_summary = summary = self.engine.warmup()
-            print(f"jaxserve: {summary['num_executables']} executables ready in {summary['seconds']:.1f} s, "
-                  f"{summary['num_cache_hits']} from the compilation cache (prefill token buckets "
-                  f"{summary['prefill_buckets']}, decode batch buckets {summary['decode_buckets']})", file=sys.stderr)
+    def __init__(self, model: str | os.PathLike | None = None, *, warmup: bool = True, **engine_kwargs):
+        """engine_kwargs: any `EngineConfig` setting by name (vLLM's names), dtype included."""
+        self.engine, self.warmup_summary = LLMEngine.from_config(model, engine_config(**engine_kwargs),
+                                                                 warmup=warmup)
+        self.config = self.engine.cfg
+        self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -28,7 +28,8 @@ from tqdm.auto import tqdm
 from jaxserve import compilation
 from jaxserve.attention import AttentionMetadata
 from jaxserve.attention_backends import resolve_attention_backend, resolve_matmul_backend
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import ModelConfig
+from jaxserve.engine_config import EngineConfig
 from jaxserve.models.transformer import (forward, init_kv_cache, kv_bytes_per_token, rope_position_tables,
                                          serving_params)
 from jaxserve.sampling import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplerOutput, SamplingParams, SamplingTensors, sample
@@ -94,6 +95,7 @@ def _step(params, kv_cache, inputs: StepInputs, *, cfg: ModelConfig, q_block: in
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, params, platform: str | None = None):
         """platform: resolve the attention backend for "gpu"/"cpu" instead of this machine (check-lowering)."""
+        engine_cfg = engine_cfg.for_model(model_cfg.max_position_embeddings)
         self.model_cfg, self.cfg = model_cfg, engine_cfg
         self.attention_backend = resolve_attention_backend(engine_cfg.attention_backend, model_cfg, engine_cfg,
                                                            platform)

@@ -18,7 +18,7 @@ import dataclasses
 import itertools
 import logging
 
-from jaxserve.config import EngineConfig
+from jaxserve.engine_config import EngineConfig
 from jaxserve.page_pool import PagePool
 from jaxserve.request import Request, RequestStatus
 

@@ -23,19 +23,18 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20  # prompts of a long context, as tex
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from jaxserve.cli import _engine_kwargs
+    from jaxserve.engine import LLMEngine
+    from jaxserve.engine_config import engine_config_from_args
     from jaxserve.engine_loop import EngineLoop
-    from jaxserve.llm import LLM
     from server.app import create_app
     from server.draining import DrainingServer
 
     started = time.perf_counter() - _process_age()
     load_start = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, **_engine_kwargs(args))
-    warmup = llm.warmup_summary
+    engine, warmup = LLMEngine.from_config(args.model, engine_config_from_args(args))
     if args.chat_template:
-        llm.tokenizer.chat_template = _read_chat_template(args.chat_template)
-    engine_loop = EngineLoop(llm.engine).start()
+        engine.tokenizer.chat_template = _read_chat_template(args.chat_template)
+    engine_loop = EngineLoop(engine).start()
     name = args.served_model_name or (os.path.basename(str(args.model).rstrip("/")) if args.model
                                       else "SmolLM2-135M-Instruct")
     api_key = args.api_key or os.environ.get("JAXSERVE_API_KEY")

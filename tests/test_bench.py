@@ -176,6 +176,19 @@ def test_bench_throughput_counts_every_token(tiny_model_dir, tmp_path):
     assert "output tokens/s" in run.stdout and "of a large f32 matmul" in run.stdout
 
 
+def test_bench_throughput_runs_hf_generate_on_the_same_prompts_beside_it(tiny_model_dir, tmp_path):
+    out = tmp_path / "tput.json"
+    run = _cli("bench", "throughput", "--model", str(tiny_model_dir("llama")), "--max-model-len", "128",
+               "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--block-size", "8", "--num-kv-pages", "96",
+               "--num-prompts", "5", "--input-len", "24", "--output-len", "6", "--ignore-eos", "--out", str(out),
+               "--no-progress", "--hf-baseline", "--hf-batch-size", "2")
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    assert result["hf_transformers"]["total_output_tokens"] == result["total_output_tokens"] == 30
+    assert result["hf_transformers"]["batch_size"] == 2 and result["hf_transformers"]["seconds"] > 0
+    assert "jaxserve / HF output throughput" in run.stdout
+
+
 # -- convert --to hf -----------------------------------------------------------------------------
 
 

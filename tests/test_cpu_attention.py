@@ -20,7 +20,8 @@ import pallas_kernels as pk
 from jaxserve import cpu_ffi
 from jaxserve.attention import ragged_paged_attention
 from jaxserve.attention_backends import resolve_attention_backend
-from jaxserve.config import EngineConfig, ModelConfig, RopeConfig
+from jaxserve.config import ModelConfig, RopeConfig
+from jaxserve.engine_config import EngineConfig
 from test_pallas_attention import LAYER, build_case, decode_lengths, ragged_lengths
 
 pytestmark = pytest.mark.skipif(cpu_ffi.kernel_error() is not None,

@@ -15,7 +15,7 @@ import pytest
 
 from jaxserve import cpu_ffi
 from jaxserve.attention_backends import resolve_matmul_backend
-from jaxserve.config import EngineConfig
+from jaxserve.engine_config import EngineConfig
 from jaxserve.cpu_ffi import PACK_BLOCK, PackedWeight, matmul
 
 needs_kernels = pytest.mark.skipif(cpu_ffi.kernel_error() is not None,

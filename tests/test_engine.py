@@ -8,7 +8,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.compilation import forbid_compilation, num_compilations
-from jaxserve.config import EngineConfig
+from jaxserve.engine_config import EngineConfig
 from jaxserve.model_runner import decode_buckets, prefill_buckets
 from jaxserve.page_pool import PagePool
 from jaxserve.request import Request, RequestStatus

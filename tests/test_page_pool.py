@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.config import EngineConfig
+from jaxserve.engine_config import EngineConfig
 from jaxserve.page_pool import PagePool, hash_page
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling import SamplingParams

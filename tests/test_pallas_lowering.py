@@ -22,7 +22,8 @@ import pytest
 import pallas_kernels as pk
 from jaxserve.attention_backends import resolve_attention_backend
 from jaxserve.check_lowering import check_lowering, format_results
-from jaxserve.config import EngineConfig, ModelConfig, RopeConfig
+from jaxserve.config import ModelConfig, RopeConfig
+from jaxserve.engine_config import EngineConfig
 from pallas_kernels.lowering import mosaic_kernels
 
 PAGE_SIZES = (8, 16, 32, 64, 128, 256)

@@ -4,22 +4,19 @@ from __future__ import annotations
 
 import argparse
 
+from jaxserve.bench import serve, throughput
+from jaxserve.engine_config import add_engine_flags
+
 
 def _serve(args: argparse.Namespace) -> None:
-    from jaxserve.bench.serve import run
-
-    run(args)
+    serve.run(args)
 
 
 def _throughput(args: argparse.Namespace) -> None:
-    from jaxserve.bench.throughput import run
-
-    run(args)
+    throughput.run(args)
 
 
 def add_bench_parser(sub) -> None:
-    from jaxserve.bench import serve, throughput
-    from jaxserve.cli import _add_engine_flags
 
     bench = sub.add_parser("bench", help="benchmark a server (serve) or the offline engine (throughput)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
@@ -27,6 +24,6 @@ def add_bench_parser(sub) -> None:
     serve.add_flags(srv)
     srv.set_defaults(func=_serve)
     tput = kinds.add_parser("throughput", help="offline LLM.generate throughput on this machine")
-    _add_engine_flags(tput)
+    add_engine_flags(tput)
     throughput.add_flags(tput)
     tput.set_defaults(func=_throughput)

@@ -2,24 +2,29 @@
 
 The same prompts as `jaxserve bench serve` (random or JSONL), run in-process with no HTTP, all
 submitted at once; warm-up compiles are outside the timed region. Prints requests/s, output and
-total tokens/s, and how close the run came to the device's peak (hardware.py).
+total tokens/s, and how close the run came to the device's peak (hardware.py). With
+`--hf-baseline`, Hugging Face transformers' batched `generate` runs the same prompts afterwards
+(`hf_baseline.py`) and the table puts the two side by side.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
+
+from jaxserve.engine_config import engine_config_from_args
 
 
 def run(args: argparse.Namespace) -> dict:
     from jaxserve.bench.datasets import jsonl_requests, random_requests
     from jaxserve.bench.hardware import utilization_lines
-    from jaxserve.cli import _engine_kwargs
     from jaxserve.llm import LLM
     from jaxserve.sampling import SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, **_engine_kwargs(args))
+    engine_cfg = engine_config_from_args(args)
+    llm = LLM(args.model, **dataclasses.asdict(engine_cfg))
     if args.dataset_path:
         requests = jsonl_requests(args.dataset_path, llm.tokenizer, args.num_prompts, args.output_len)
     else:
@@ -44,7 +49,18 @@ def run(args: argparse.Namespace) -> dict:
           f"| requests/s | {result['request_throughput']:.2f} |\n"
           f"| output tokens/s | {result['output_throughput']:.1f} |\n"
           f"| total tokens/s | {result['total_token_throughput']:.1f} |\n")
-    result["utilization"] = utilization_lines(llm.engine.model_cfg, llm.engine.runner.params, args.dtype,
+    if args.hf_baseline:
+        from jaxserve.bench.hf_baseline import run_hf
+
+        ids = [o.prompt_token_ids for o in outputs]
+        hf = run_hf(ids, [r.output_len for r in requests], args.model, engine_cfg.dtype, args.hf_batch_size)
+        result["hf_transformers"] = hf
+        print(f"| engine | seconds | output tokens/s |\n|---|---|---|\n"
+              f"| jaxserve | {seconds:.1f} | {num_out / seconds:.1f} |\n"
+              f"| HF transformers generate (batches of {hf['batch_size']}, {hf['device']}) | {hf['seconds']:.1f} | "
+              f"{hf['total_output_tokens'] / hf['seconds']:.1f} |\n\n"
+              f"jaxserve / HF output throughput: {num_out / seconds / (hf['total_output_tokens'] / hf['seconds']):.2f}x\n")
+    result["utilization"] = utilization_lines(llm.engine.model_cfg, llm.engine.runner.params, engine_cfg.dtype,
                                               num_in, num_out, num_steps, seconds)
     print("\n".join(result["utilization"]))
     if args.out:
@@ -62,3 +78,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--hf-baseline", action="store_true",
+                        help="also run HF transformers' batched generate on the same prompts (needs torch; use with "
+                             "--ignore-eos, as HF's batches run every request to its length)")
+    parser.add_argument("--hf-batch-size", type=int, default=32, help="prompts per HF generate batch")

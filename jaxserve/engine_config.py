@@ -1,0 +1,164 @@
+"""Every engine setting, declared once: `EngineConfig`, and the command-line flags derived from it.
+
+Each field of `EngineConfig` is one setting: its name (vLLM's where vLLM has one), type, default and
+help text, and whether and how the command line takes it. From that one declaration come the
+config itself (frozen, hashable, validated in `__post_init__`), the flags of `jaxserve serve`,
+`generate`, `chat`, `check-lowering` and `bench throughput` (`add_engine_flags`,
+`engine_config_from_args`), and the keyword arguments of the offline `LLM` (`engine_config`).
+Adding a setting is one field here plus the code that uses it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from typing import Any, Callable
+
+# auto: the Pallas kernels on a Hopper GPU when the model fits them, the C++ kernel of cpu_ffi.py on a
+# CPU with float32 pages, else XLA (attention_backends.py says why it chose).
+ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas", "pallas-interpret")
+# auto: the C++ packed-weight matmul on a CPU (float32) when it builds, else XLA's dot.
+MATMUL_BACKENDS = ("auto", "xla", "cpu")
+DTYPES = ("float32", "bfloat16")
+DEFAULT_MAX_MODEL_LEN = 2048  # the cap on the model's own context length when max_model_len is unset
+
+
+def parse_size(text: str) -> int:
+    """A byte count: "536870912", "512MiB", "0.5GiB", "4G" (binary units, as vLLM's sizes)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (for example 536870912, 512MiB or 4GiB)")
+    number, unit = float(match.group(1)), match.group(2).upper()
+    return int(number * 1024 ** " KMGT".index(unit or " "))
+
+
+def setting(default: Any, help: str, *, flag: bool = True, choices: tuple | None = None,
+            parse: Callable[[str], Any] | None = None, alias: tuple[str, int, str] | None = None):
+    """Declares one engine setting. flag: whether the command line takes it (as --the-name);
+    parse: how a flag's text becomes the value; alias: an older flag, the unit it counts in and the
+    unit's name."""
+    return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "choices": choices,
+                                                        "parse": parse, "alias": alias})
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a model: page pool, batch limits, buckets, backends."""
+
+    max_model_len: int | None = setting(
+        None, f"most tokens (prompt plus output) one sequence may hold (default: the model's context length, "
+              f"at most {DEFAULT_MAX_MODEL_LEN})")
+    block_size: int = setting(16, "tokens per KV page")
+    max_num_seqs: int = setting(32, "most sequences in one step")
+    max_num_batched_tokens: int = setting(512, "token budget of one step; longer prompts are prefilled in chunks")
+    num_kv_pages: int | None = setting(None, "KV pages in the pool (fixes its size; else kv_cache_memory_bytes does)")
+    kv_cache_memory_bytes: int = setting(512 * 2**20, "memory for the KV page pool, e.g. 512MiB or 4GiB "
+                                                      "(ignored with --num-kv-pages)",
+                                         parse=parse_size, alias=("--kv-cache-memory-gib", 2**30, "GiB"))
+    dtype: str = setting("float32", "weights, activations and KV pages (float32 is the fast dtype on a CPU)",
+                         choices=DTYPES)
+    seed: int = setting(0, "seed of the seeds drawn for requests that bring none")
+    enable_prefix_caching: bool = setting(True, "reuse the KV pages of earlier prompts' common prefixes")
+    mixed_batches: bool = setting(True, "let prompt chunks and decode rows share a step (off: prompts and "
+                                        "decodes in separate steps, vLLM V0's policy, to measure what mixing buys)")
+    attention_backend: str = setting("auto", "auto: the Pallas kernels on a Hopper GPU when the model fits them, "
+                                             "the C++ kernel on a CPU (float32), else XLA", choices=ATTENTION_BACKENDS)
+    matmul_backend: str = setting("auto", "auto: the C++ packed-weight matmul on a CPU (float32), else XLA's dot",
+                                  choices=MATMUL_BACKENDS)
+    # Tests, debugging and tuning only: not on the command line.
+    forbid_compilation_after_warmup: bool = setting(False, "any XLA compilation after warm-up raises", flag=False)
+    min_prefill_bucket: int = setting(16, "the smallest token-count bucket of prompt steps", flag=False)
+    min_decode_bucket: int = setting(1, "the smallest batch-size bucket of decode steps", flag=False)
+    prefill_query_tile: int = setting(64, "query rows per attention tile of the XLA and Pallas prompt-step "
+                                          "attention (the C++ CPU kernel tiles by itself)", flag=False)
+    kv_tile: int = setting(128, "keys per iteration of the XLA attention's loop over keys", flag=False)
+
+    def __post_init__(self):
+        def check(ok: bool, message: str):
+            if not ok:
+                raise ValueError(message)
+
+        check(self.dtype in DTYPES, f"{self.dtype=} must be one of {DTYPES}")
+        check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+              f"{self.block_size=} must be a power of two")
+        check(self.max_model_len is None or self.max_model_len > 0, f"{self.max_model_len=} must be positive")
+        check(self.max_num_seqs > 0, f"{self.max_num_seqs=} must be positive")
+        check(self.max_num_batched_tokens >= self.min_prefill_bucket,
+              f"{self.max_num_batched_tokens=} must be at least {self.min_prefill_bucket=}")
+        check(self.max_num_batched_tokens >= self.max_num_seqs,
+              f"{self.max_num_batched_tokens=} must be at least {self.max_num_seqs=}")
+        check(self.num_kv_pages is None or self.num_kv_pages >= 1, f"{self.num_kv_pages=} must be at least 1")
+        check(self.kv_cache_memory_bytes > 0, f"{self.kv_cache_memory_bytes=} must be positive")
+        check(self.attention_backend in ATTENTION_BACKENDS,
+              f"{self.attention_backend=} must be one of {ATTENTION_BACKENDS}")
+        check(self.matmul_backend in MATMUL_BACKENDS, f"{self.matmul_backend=} must be one of {MATMUL_BACKENDS}")
+        check(not (self.attention_backend == "pallas-interpret" and self.forbid_compilation_after_warmup),
+              "attention_backend='pallas-interpret' compiles the GPU interpreter's helpers while it runs: "
+              "it cannot be combined with forbid_compilation_after_warmup=True")
+
+    def for_model(self, max_position_embeddings: int) -> "EngineConfig":
+        """This config with max_model_len settled for a model of that context length."""
+        if self.max_model_len is None:
+            return dataclasses.replace(self, max_model_len=min(DEFAULT_MAX_MODEL_LEN, max_position_embeddings))
+        if self.max_model_len > max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={max_position_embeddings}")
+        return self
+
+    @property
+    def pages_per_seq(self) -> int:
+        assert self.max_model_len is not None, "call for_model() first"
+        return -(-self.max_model_len // self.block_size)
+
+
+def engine_config(**kwargs) -> EngineConfig:
+    """An EngineConfig from keyword arguments (`LLM(**kwargs)`); an unknown name is a TypeError that
+    lists the known ones."""
+    known = [f.name for f in dataclasses.fields(EngineConfig)]
+    unknown = sorted(set(kwargs) - set(known))
+    if unknown:
+        raise TypeError(f"unknown engine settings {unknown}; known: {known}")
+    return EngineConfig(**kwargs)
+
+
+def _alias_dest(name: str) -> str:
+    return f"{name}_from_alias"
+
+
+def _flag_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(EngineConfig) if f.metadata["flag"]]
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
+    """The model argument and one flag per command-line setting of EngineConfig."""
+    help_text = "model directory, GGUF file or jaxserve checkpoint (default: SmolLM2-135M-Instruct)"
+    if positional_model:
+        parser.add_argument("model", nargs="?", default=None, help=help_text)
+    else:
+        parser.add_argument("--model", default=None, help=help_text)
+    group = parser.add_argument_group("engine settings")
+    for f in _flag_fields():
+        meta, flag = f.metadata, "--" + f.name.replace("_", "-")
+        help_text = f"{meta['help']} (default: {f.default})" if f.default is not None else meta["help"]
+        if f.type in ("bool", bool):
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                               help=meta["help"])
+            continue
+        value_type = meta["parse"] or {"int": int, "int | None": int, "float": float, "str": str}[f.type]
+        group.add_argument(flag, dest=f.name, type=value_type, default=f.default, choices=meta["choices"],
+                           help=help_text)
+        if meta["alias"] is not None:
+            alias, _, unit_name = meta["alias"]
+            group.add_argument(alias, dest=_alias_dest(f.name), type=float, default=None, metavar=unit_name,
+                               help=f"the same as {flag}, in {unit_name}")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig that `add_engine_flags`' flags describe."""
+    kwargs = {}
+    for f in _flag_fields():
+        kwargs[f.name] = getattr(args, f.name)
+        if f.metadata["alias"] is not None and getattr(args, _alias_dest(f.name)) is not None:
+            kwargs[f.name] = int(getattr(args, _alias_dest(f.name)) * f.metadata["alias"][1])
+    return EngineConfig(**kwargs)
