@@ -36,11 +36,6 @@ class LLMEngine:
         self.cfg = cfg
         self.model_cfg = model.config
         self.tokenizer = model.tokenizer
-        if cfg.max_model_len > self.model_cfg.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={cfg.max_model_len} exceeds the model's "
-                f"max_position_embeddings={self.model_cfg.max_position_embeddings}"
-            )
         self.runner = ModelRunner(self.model_cfg, cfg, model.params)
         self.model = dataclasses.replace(model, params=None)  # the runner holds them, in its own layout
         if self.runner.max_concurrent_tokens < cfg.max_model_len:
