@@ -51,6 +51,11 @@ class LLMEngine:
         self._ids = itertools.count()
         self.last_schedule = None  # the most recent SchedulerOutput, for tests and debugging
         self.num_steps = 0  # steps that ran the model
+        self.step_seconds = 0.0  # wall time inside those steps: scheduling, the model, detokenizing
+        self.model_seconds = 0.0  # of which building inputs, running the model and fetching the tokens
+        self._compilations_after_warmup: int | None = None
+        logger.info("max concurrent tokens in the KV pool: %d", self.runner.max_concurrent_tokens)
+
     @classmethod
     def from_config(cls, model: str | os.PathLike | None, cfg: EngineConfig, *, warmup: bool = True,
                     show_progress: bool = True) -> tuple["LLMEngine", dict | None]:
@@ -70,11 +75,6 @@ class LLMEngine:
               f"{summary['num_cache_hits']} from the compilation cache (prefill token buckets "
               f"{summary['prefill_buckets']}, decode batch buckets {summary['decode_buckets']})", file=sys.stderr)
         return engine, summary
-
-        self.step_seconds = 0.0  # wall time inside those steps: scheduling, the model, detokenizing
-        self.model_seconds = 0.0  # of which building inputs, running the model and fetching the tokens
-        self._compilations_after_warmup: int | None = None
-        logger.info("max concurrent tokens in the KV pool: %d", self.runner.max_concurrent_tokens)
 
     def warmup(self, show_progress: bool = True) -> dict:
         summary = self.runner.warmup(show_progress)
