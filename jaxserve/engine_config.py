@@ -1,11 +1,16 @@
 """Every engine setting, declared once: `EngineConfig`, and the command-line flags derived from it.
 
 Each field of `EngineConfig` is one setting: its name (vLLM's where vLLM has one), type, default and
-help text, and whether and how the command line takes it. From that one declaration come the
-config itself (frozen, hashable, validated in `__post_init__`), the flags of `jaxserve serve`,
-`generate`, `chat`, `check-lowering` and `bench throughput` (`add_engine_flags`,
-`engine_config_from_args`), and the keyword arguments of the offline `LLM` (`engine_config`).
-Adding a setting is one field here plus the code that uses it.
+help text, its choices, and whether the command line takes it (as `--the-name`, so vLLM's flag name).
+From that one declaration come the config itself (frozen, hashable, validated in `__post_init__`), the
+flags of `jaxserve serve`, `generate`, `chat`, `check-lowering` and `bench throughput`
+(`add_engine_flags`, `engine_config_from_args`) and the keyword arguments of the offline `LLM`
+(`engine_config_from_kwargs`). Adding a setting is one field here, for example
+
+    async_scheduling: bool = setting(False, "schedule step N+1 while step N runs")
+
+(plus a check in `__post_init__` if some values are wrong), and the code that uses it; what a
+setting does lives there, not here.
 """
 
 from __future__ import annotations
@@ -34,12 +39,13 @@ def parse_size(text: str) -> int:
 
 
 def setting(default: Any, help: str, *, flag: bool = True, choices: tuple | None = None,
-            parse: Callable[[str], Any] | None = None, alias: tuple[str, int, str] | None = None):
-    """Declares one engine setting. flag: whether the command line takes it (as --the-name);
-    parse: how a flag's text becomes the value; alias: an older flag, the unit it counts in and the
-    unit's name."""
+            parse: Callable[[str], Any] | None = None, unit_alias: tuple[str, int, str] | None = None):
+    """Declares one engine setting. flag: whether the command line takes it, as `--the-name` (the
+    field names are vLLM's, so the flags are too); parse: how a flag's text becomes the value (default:
+    the field's type); unit_alias: a second flag for the same setting in another unit (flag, how many of
+    the setting's units one of it is, the unit's name), kept for the command lines written before."""
     return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "choices": choices,
-                                                        "parse": parse, "alias": alias})
+                                                        "parse": parse, "unit_alias": unit_alias})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +61,7 @@ class EngineConfig:
     num_kv_pages: int | None = setting(None, "KV pages in the pool (fixes its size; else kv_cache_memory_bytes does)")
     kv_cache_memory_bytes: int = setting(512 * 2**20, "memory for the KV page pool, e.g. 512MiB or 4GiB "
                                                       "(ignored with --num-kv-pages)",
-                                         parse=parse_size, alias=("--kv-cache-memory-gib", 2**30, "GiB"))
+                                         parse=parse_size, unit_alias=("--kv-cache-memory-gib", 2**30, "GiB"))
     dtype: str = setting("float32", "weights, activations and KV pages (float32 is the fast dtype on a CPU)",
                          choices=DTYPES)
     seed: int = setting(0, "seed of the seeds drawn for requests that bring none")
@@ -70,16 +76,20 @@ class EngineConfig:
     forbid_compilation_after_warmup: bool = setting(False, "any XLA compilation after warm-up raises", flag=False)
     min_prefill_bucket: int = setting(16, "the smallest token-count bucket of prompt steps", flag=False)
     min_decode_bucket: int = setting(1, "the smallest batch-size bucket of decode steps", flag=False)
-    prefill_query_tile: int = setting(64, "query rows per attention tile of the XLA and Pallas prompt-step "
-                                          "attention (the C++ CPU kernel tiles by itself)", flag=False)
-    kv_tile: int = setting(128, "keys per iteration of the XLA attention's loop over keys", flag=False)
+    prefill_query_tile: int = setting(64, "query rows per tile of the XLA attention in prompt steps (the Pallas "
+                                          "and C++ kernels choose their own tiles)", flag=False)
+    kv_tile: int = setting(128, "keys per iteration of the XLA attention's loop over keys (the Pallas and C++ "
+                                "kernels choose their own)", flag=False)
 
     def __post_init__(self):
         def check(ok: bool, message: str):
             if not ok:
                 raise ValueError(message)
 
-        check(self.dtype in DTYPES, f"{self.dtype=} must be one of {DTYPES}")
+        for f in dataclasses.fields(self):
+            choices = f.metadata["choices"]
+            check(choices is None or getattr(self, f.name) in choices,
+                  f"{f.name}={getattr(self, f.name)!r} must be one of {choices}")
         check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
               f"{self.block_size=} must be a power of two")
         check(self.max_model_len is None or self.max_model_len > 0, f"{self.max_model_len=} must be positive")
@@ -90,9 +100,6 @@ class EngineConfig:
               f"{self.max_num_batched_tokens=} must be at least {self.max_num_seqs=}")
         check(self.num_kv_pages is None or self.num_kv_pages >= 1, f"{self.num_kv_pages=} must be at least 1")
         check(self.kv_cache_memory_bytes > 0, f"{self.kv_cache_memory_bytes=} must be positive")
-        check(self.attention_backend in ATTENTION_BACKENDS,
-              f"{self.attention_backend=} must be one of {ATTENTION_BACKENDS}")
-        check(self.matmul_backend in MATMUL_BACKENDS, f"{self.matmul_backend=} must be one of {MATMUL_BACKENDS}")
         check(not (self.attention_backend == "pallas-interpret" and self.forbid_compilation_after_warmup),
               "attention_backend='pallas-interpret' compiles the GPU interpreter's helpers while it runs: "
               "it cannot be combined with forbid_compilation_after_warmup=True")
@@ -112,7 +119,7 @@ class EngineConfig:
         return -(-self.max_model_len // self.block_size)
 
 
-def engine_config(**kwargs) -> EngineConfig:
+def engine_config_from_kwargs(**kwargs) -> EngineConfig:
     """An EngineConfig from keyword arguments (`LLM(**kwargs)`); an unknown name is a TypeError that
     lists the known ones."""
     known = [f.name for f in dataclasses.fields(EngineConfig)]
@@ -122,12 +129,12 @@ def engine_config(**kwargs) -> EngineConfig:
     return EngineConfig(**kwargs)
 
 
-def _alias_dest(name: str) -> str:
-    return f"{name}_from_alias"
-
-
 def _flag_fields() -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(EngineConfig) if f.metadata["flag"]]
+
+
+def _unit_alias_dest(name: str) -> str:
+    return f"{name}_in_alias_unit"
 
 
 def add_engine_flags(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
@@ -140,25 +147,26 @@ def add_engine_flags(parser: argparse.ArgumentParser, positional_model: bool = F
     group = parser.add_argument_group("engine settings")
     for f in _flag_fields():
         meta, flag = f.metadata, "--" + f.name.replace("_", "-")
-        help_text = f"{meta['help']} (default: {f.default})" if f.default is not None else meta["help"]
         if f.type in ("bool", bool):
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                               help=meta["help"])
+                               help=f"{meta['help']} (default: {'on' if f.default else 'off'})")
             continue
         value_type = meta["parse"] or {"int": int, "int | None": int, "float": float, "str": str}[f.type]
+        help_text = meta["help"] if f.default is None else f"{meta['help']} (default: {f.default})"
         group.add_argument(flag, dest=f.name, type=value_type, default=f.default, choices=meta["choices"],
                            help=help_text)
-        if meta["alias"] is not None:
-            alias, _, unit_name = meta["alias"]
-            group.add_argument(alias, dest=_alias_dest(f.name), type=float, default=None, metavar=unit_name,
+        if meta["unit_alias"] is not None:
+            alias, _, unit_name = meta["unit_alias"]
+            group.add_argument(alias, dest=_unit_alias_dest(f.name), type=float, default=None, metavar=unit_name,
                                help=f"the same as {flag}, in {unit_name}")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig that `add_engine_flags`' flags describe."""
+    """The EngineConfig that `add_engine_flags`' flags describe; a bad value is a ValueError naming it."""
     kwargs = {}
     for f in _flag_fields():
         kwargs[f.name] = getattr(args, f.name)
-        if f.metadata["alias"] is not None and getattr(args, _alias_dest(f.name)) is not None:
-            kwargs[f.name] = int(getattr(args, _alias_dest(f.name)) * f.metadata["alias"][1])
+        alias = f.metadata["unit_alias"]
+        if alias is not None and getattr(args, _unit_alias_dest(f.name)) is not None:
+            kwargs[f.name] = int(getattr(args, _unit_alias_dest(f.name)) * alias[1])
     return EngineConfig(**kwargs)

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
-from jaxserve.engine_config import engine_config
+from jaxserve.engine_config import engine_config_from_kwargs
 from jaxserve.engine import LLMEngine
 from jaxserve.request import Request
 from jaxserve.sampling import SamplingParams
@@ -49,7 +49,7 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike | None = None, *, warmup: bool = True, **engine_kwargs):
         """engine_kwargs: any `EngineConfig` setting by name (vLLM's names), dtype included."""
-        self.engine, self.warmup_summary = LLMEngine.from_config(model, engine_config(**engine_kwargs),
+        self.engine, self.warmup_summary = LLMEngine.from_config(model, engine_config_from_kwargs(**engine_kwargs),
                                                                  warmup=warmup)
         self.config = self.engine.cfg
         self.tokenizer = self.engine.tokenizer

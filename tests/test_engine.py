@@ -8,6 +8,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.compilation import forbid_compilation, num_compilations
+from jaxserve.engine import LLMEngine
 from jaxserve.engine_config import EngineConfig
 from jaxserve.model_runner import decode_buckets, prefill_buckets
 from jaxserve.page_pool import PagePool
@@ -26,6 +27,23 @@ def llm(tmp_path_factory):
     directory = tmp_path_factory.mktemp("context_sensitive_llama")
     make_tiny_model("llama", directory, attention_std=0.3, embedding_std=1.0)
     return LLM(directory, **ENGINE)
+
+
+def test_from_config_loads_builds_and_warms_up_the_engine_llm_and_server_share(tiny_model_dir, capsys):
+    """The one engine factory: the model loaded, max_model_len settled from the model, every bucket
+    compiled, and the two start-up lines (KV cache, executables ready) printed; without warm-up
+    nothing is compiled and no summary comes back."""
+    engine, summary = LLMEngine.from_config(tiny_model_dir("llama"), EngineConfig(**ENGINE))
+    runner = engine.runner
+    assert summary["num_executables"] == len(runner.prefill_buckets) + len(runner.decode_buckets) > 0
+    assert engine.cfg.max_model_len == 128
+    err = capsys.readouterr().err
+    assert f"KV cache {runner.num_pages - 1} pages x 8 tokens" in err
+    assert f"{summary['num_executables']} executables ready" in err
+
+    engine, summary = LLMEngine.from_config(tiny_model_dir("llama"), EngineConfig(num_kv_pages=80), warmup=False)
+    assert summary is None and engine.cfg.max_model_len == min(2048, engine.model_cfg.max_position_embeddings)
+    assert "executables ready" not in capsys.readouterr().err
 
 
 def _prompts(n: int, seed: int = 0) -> list[dict]:

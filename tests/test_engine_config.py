@@ -1,0 +1,114 @@
+"""Engine settings are declared once (`engine_config.py`): the flags of every command, `EngineConfig`
+and `LLM(**kwargs)` come from that declaration, keep today's names and defaults, and refuse bad values
+by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxserve import LLM
+from jaxserve.cli import build_parser
+from jaxserve.engine_config import EngineConfig, engine_config_from_args, engine_config_from_kwargs, parse_size
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+COMMANDS = (["serve"], ["generate", "a prompt"], ["chat"], ["check-lowering"], ["bench", "throughput"])
+# The flags the command line took before the declaration existed, spelled exactly so: scripts use them.
+FLAGS_IN_USE = ["--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+                "--block-size", "8", "--num-kv-pages", "40", "--kv-cache-memory-gib", "0.25", "--seed", "7",
+                "--no-mixed-batches", "--attention-backend", "xla", "--matmul-backend", "xla", "--dtype", "bfloat16",
+                "--no-enable-prefix-caching"]
+FLAG_FIELDS = [f for f in dataclasses.fields(EngineConfig) if f.metadata["flag"]]
+
+
+def _config(*argv: str) -> EngineConfig:
+    return engine_config_from_args(build_parser().parse_args(list(argv)))
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_no_flags_give_the_declared_defaults(command):
+    assert _config(*command) == EngineConfig()
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_the_flags_in_use_keep_their_names_and_meaning(command):
+    assert _config(*command, *FLAGS_IN_USE) == EngineConfig(
+        max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, block_size=8, num_kv_pages=40,
+        kv_cache_memory_bytes=2**28, seed=7, mixed_batches=False, attention_backend="xla", matmul_backend="xla",
+        dtype="bfloat16", enable_prefix_caching=False)
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+@pytest.mark.parametrize("field", FLAG_FIELDS, ids=lambda f: f.name)
+def test_every_command_line_setting_is_a_flag_of_every_command(command, field):
+    """A setting declared with flag=True reaches EngineConfig through `--its-name` in every command."""
+    flag = "--" + field.name.replace("_", "-")
+    if field.type == "bool":
+        assert getattr(_config(*command, f"--no-{flag[2:]}"), field.name) is False
+        assert getattr(_config(*command, flag), field.name) is True
+        return
+    choices = field.metadata["choices"]
+    value = choices[-1] if choices else {"kv_cache_memory_bytes": "1GiB"}.get(field.name, "64")
+    expected = parse_size(value) if field.name == "kv_cache_memory_bytes" else type(field.default or 0)(value)
+    assert getattr(_config(*command, flag, value), field.name) == expected
+
+
+def test_debug_settings_are_declared_but_not_flags():
+    for name in ("forbid_compilation_after_warmup", "min_prefill_bucket", "prefill_query_tile", "kv_tile"):
+        field = {f.name: f for f in dataclasses.fields(EngineConfig)}[name]
+        assert field.metadata["help"] and not field.metadata["flag"]
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--" + name.replace("_", "-"), "1"])
+
+
+def test_every_setting_has_help():
+    for field in dataclasses.fields(EngineConfig):
+        assert field.metadata.get("help"), f"{field.name} is not declared with setting()"
+
+
+def test_kv_cache_memory_in_bytes_or_gib():
+    assert _config("serve", "--kv-cache-memory-bytes", "268435456").kv_cache_memory_bytes == 2**28
+    assert _config("serve", "--kv-cache-memory-bytes", "0.5GiB").kv_cache_memory_bytes == 2**29
+    assert _config("serve", "--kv-cache-memory-bytes", "4G").kv_cache_memory_bytes == 4 * 2**30
+    assert _config("serve", "--kv-cache-memory-gib", "1.5").kv_cache_memory_bytes == 3 * 2**29
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-cache-memory-bytes", "lots"])
+
+
+def test_choices_are_checked_by_the_config_too():
+    """LLM(**kwargs) never passes through argparse: the declared choices are enforced by EngineConfig."""
+    with pytest.raises(ValueError, match="dtype='float16' must be one of"):
+        EngineConfig(dtype="float16")
+    with pytest.raises(ValueError, match="attention_backend='triton'"):
+        EngineConfig(attention_backend="triton")
+
+
+def test_max_model_len_defaults_to_the_models_capped_at_2048():
+    assert EngineConfig().for_model(128).max_model_len == 128
+    assert EngineConfig().for_model(32768).max_model_len == 2048
+    assert EngineConfig(max_model_len=4096).for_model(8192).max_model_len == 4096
+    with pytest.raises(ValueError, match="max_model_len=4096 exceeds the model's max_position_embeddings=2048"):
+        EngineConfig(max_model_len=4096).for_model(2048)
+
+
+def test_unknown_keyword_settings_are_named_before_any_loading():
+    with pytest.raises(TypeError, match=r"unknown engine settings \['max_seqs'\]; known: .*'max_num_seqs'"):
+        engine_config_from_kwargs(max_seqs=4)
+    with pytest.raises(TypeError, match="max_seqs"):
+        LLM("/nonexistent", max_seqs=4)  # the name is checked before the path is
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--block-size", "3"], "block_size=3 must be a power of two"),
+    (["--max-num-seqs", "64", "--max-num-batched-tokens", "32"], "max_num_batched_tokens=32 must be at least"),
+    (["--dtype", "float16"], "invalid choice: 'float16'"),
+])
+def test_a_bad_setting_is_a_one_line_error_with_exit_code_2(argv, message):
+    run = subprocess.run([sys.executable, "-m", "jaxserve.cli", "generate", "hi", *argv], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith("jaxserve")
