@@ -187,6 +187,13 @@ def test_bench_throughput_runs_hf_generate_on_the_same_prompts_beside_it(tiny_mo
     assert result["hf_transformers"]["total_output_tokens"] == result["total_output_tokens"] == 30
     assert result["hf_transformers"]["batch_size"] == 2 and result["hf_transformers"]["seconds"] > 0
     assert "jaxserve / HF output throughput" in run.stdout
+    assert result["args"]["hf_batch_size"] == 2 and result["attention_backend"] in ("xla", "cpu")
+
+
+def test_bench_throughput_refuses_an_hf_baseline_that_would_count_different_tokens(tiny_model_dir):
+    """Without --ignore-eos jaxserve may stop early while HF's batches run to full length: refused up front."""
+    run = _cli("bench", "throughput", "--model", str(tiny_model_dir("llama")), "--hf-baseline")
+    assert run.returncode == 2 and "--hf-baseline needs --ignore-eos" in run.stderr and "Traceback" not in run.stderr
 
 
 # -- convert --to hf -----------------------------------------------------------------------------

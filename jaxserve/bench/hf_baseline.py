@@ -10,29 +10,28 @@ are untimed too. Needs torch (the `gguf` or `test` extra).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from tqdm.auto import tqdm
 
 
 def run_hf(prompts: list[list[int]], output_lens: list[int], model: str | None, dtype: str,
-           batch_size: int) -> dict:
+           batch_size: int, show_progress: bool = True) -> dict:
     """Generates for every prompt; returns seconds, device and the tokens it produced."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from jaxserve.weights import default_model_path
 
-    torch_dtype = getattr(torch, dtype)
-    if model is None:
-        path = default_model_path()
-        hf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch_dtype)
-    elif str(model).endswith(".gguf"):
-        from pathlib import Path
-
-        path = Path(model)
-        hf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch_dtype)
-    else:
-        hf_model = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
+    path = default_model_path() if model is None else Path(model)
+    try:
+        if path.suffix == ".gguf":
+            hf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                            dtype=getattr(torch, dtype))
+        else:
+            hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    except OSError as e:  # a jaxserve checkpoint, or a directory transformers cannot read
+        raise ValueError(f"HF transformers cannot load {path} for --hf-baseline: {e}") from None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hf_model = hf_model.to(device).eval()
     pad = hf_model.config.pad_token_id or 0
@@ -41,7 +40,8 @@ def run_hf(prompts: list[list[int]], output_lens: list[int], model: str | None, 
                           pad_token_id=pad)
     num_output = 0
     start = time.perf_counter()
-    for i in tqdm(range(0, len(prompts), batch_size), desc="HF generate", unit="batch"):
+    for i in tqdm(range(0, len(prompts), batch_size), desc="HF generate", unit="batch",
+                  disable=not show_progress):
         batch, lens = prompts[i:i + batch_size], output_lens[i:i + batch_size]
         width = max(map(len, batch))
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)

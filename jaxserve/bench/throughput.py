@@ -3,8 +3,9 @@
 The same prompts as `jaxserve bench serve` (random or JSONL), run in-process with no HTTP, all
 submitted at once; warm-up compiles are outside the timed region. Prints requests/s, output and
 total tokens/s, and how close the run came to the device's peak (hardware.py). With
-`--hf-baseline`, Hugging Face transformers' batched `generate` runs the same prompts afterwards
-(`hf_baseline.py`) and the table puts the two side by side.
+`--hf-baseline --ignore-eos`, Hugging Face transformers' batched `generate` runs the same prompts
+afterwards (`hf_baseline.py`) and a second table puts the two side by side. `--out` writes the
+results and the command line's arguments as JSON.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ def run(args: argparse.Namespace) -> dict:
     from jaxserve.llm import LLM
     from jaxserve.sampling import SamplingParams
 
+    if args.hf_baseline and not args.ignore_eos:
+        # HF's static batches generate every request's full length: jaxserve must too, or the ratio lies.
+        raise ValueError("--hf-baseline needs --ignore-eos, so both engines generate the same number of tokens")
     engine_cfg = engine_config_from_args(args)
     llm = LLM(args.model, **dataclasses.asdict(engine_cfg))
     if args.dataset_path:
@@ -39,7 +43,10 @@ def run(args: argparse.Namespace) -> dict:
     num_in = sum(len(o.prompt_token_ids) for o in outputs)
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_steps = llm.engine.num_steps - steps_before
-    result = {"num_prompts": len(requests), "seconds": seconds, "num_steps": num_steps,
+    result = {"args": {k: v for k, v in vars(args).items() if k != "func"},
+              "attention_backend": llm.engine.runner.attention_backend,
+              "matmul_backend": llm.engine.runner.matmul_backend,
+              "num_prompts": len(requests), "seconds": seconds, "num_steps": num_steps,
               "total_input_tokens": num_in, "total_output_tokens": num_out,
               "request_throughput": len(requests) / seconds, "output_throughput": num_out / seconds,
               "total_token_throughput": (num_in + num_out) / seconds,
@@ -49,20 +56,21 @@ def run(args: argparse.Namespace) -> dict:
           f"| requests/s | {result['request_throughput']:.2f} |\n"
           f"| output tokens/s | {result['output_throughput']:.1f} |\n"
           f"| total tokens/s | {result['total_token_throughput']:.1f} |\n")
-    if args.hf_baseline:
-        from jaxserve.bench.hf_baseline import run_hf
-
-        ids = [o.prompt_token_ids for o in outputs]
-        hf = run_hf(ids, [r.output_len for r in requests], args.model, engine_cfg.dtype, args.hf_batch_size)
-        result["hf_transformers"] = hf
-        print(f"| engine | seconds | output tokens/s |\n|---|---|---|\n"
-              f"| jaxserve | {seconds:.1f} | {num_out / seconds:.1f} |\n"
-              f"| HF transformers generate (batches of {hf['batch_size']}, {hf['device']}) | {hf['seconds']:.1f} | "
-              f"{hf['total_output_tokens'] / hf['seconds']:.1f} |\n\n"
-              f"jaxserve / HF output throughput: {num_out / seconds / (hf['total_output_tokens'] / hf['seconds']):.2f}x\n")
     result["utilization"] = utilization_lines(llm.engine.model_cfg, llm.engine.runner.params, engine_cfg.dtype,
                                               num_in, num_out, num_steps, seconds)
     print("\n".join(result["utilization"]))
+    if args.hf_baseline:
+        from jaxserve.bench.hf_baseline import run_hf
+
+        prompt_ids = [o.prompt_token_ids for o in outputs]
+        del llm, outputs  # the engine's weights and KV pages are released before HF loads its own
+        hf = result["hf_transformers"] = run_hf(prompt_ids, [r.output_len for r in requests], args.model,
+                                                engine_cfg.dtype, args.hf_batch_size, not args.no_progress)
+        hf_throughput = hf["total_output_tokens"] / hf["seconds"]
+        print(f"\n| engine | seconds | output tokens/s |\n|---|---|---|\n"
+              f"| jaxserve | {seconds:.1f} | {num_out / seconds:.1f} |\n"
+              f"| HF transformers generate (batches of {hf['batch_size']}, {hf['device']}) | {hf['seconds']:.1f} | "
+              f"{hf_throughput:.1f} |\n\njaxserve / HF output throughput: {num_out / seconds / hf_throughput:.2f}x")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2, default=str)
@@ -79,6 +87,6 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--hf-baseline", action="store_true",
-                        help="also run HF transformers' batched generate on the same prompts (needs torch; use with "
-                             "--ignore-eos, as HF's batches run every request to its length)")
+                        help="then run HF transformers' batched generate on the same prompts and compare (needs torch "
+                             "and --ignore-eos)")
     parser.add_argument("--hf-batch-size", type=int, default=32, help="prompts per HF generate batch")
