@@ -133,23 +133,41 @@ def paged_attention(
     scale: float,
     sliding_window=0,  # int32 scalar, 0 = none
     soft_cap: float = 0.0,
-    q_block: int = 16,
-    kv_block: int = 128,
+    q_tile: int = 16,
+    kv_tile: int = 128,
     backend: str = "xla",
     decode_only: bool = False,
 ):
     """Attention over the paged KV cache with the resolved `backend`; returns [T, H, D].
 
     decode_only: every sequence has at most one query row (the engine's decode entry point); the
-    Pallas backends then use the flash-decoding kernel. q_block / kv_block tune the XLA path only.
+    Pallas backends then use the flash-decoding kernel. q_tile / kv_tile tune the XLA path only.
     """
     assert backend in RESOLVED_BACKENDS, f"resolve {backend=} first"
-    if backend in ("xla", "cpu"):
+    if backend == "xla":
         return ragged_paged_attention(q, k_pages, v_pages, layer, md, scale=scale, sliding_window=sliding_window,
-                                      soft_cap=soft_cap, q_block=q_block, kv_block=kv_block, decode_only=decode_only,
-                                      cpu_kernel=backend == "cpu")
+                                      soft_cap=soft_cap, q_tile=q_tile, kv_tile=kv_tile, decode_only=decode_only)
+    if backend == "cpu":
+        return _cpu_kernel_attention(q, k_pages, v_pages, layer, md, scale=scale, sliding_window=sliding_window,
+                                     soft_cap=soft_cap)
     from pallas_kernels import decode_attention, ragged_paged_attention as pallas_ragged
 
     kernel = decode_attention if decode_only else pallas_ragged
     return kernel(q, k_pages, v_pages, layer, md.cu_q_lens, md.kv_lens, md.block_tables, scale=scale,
                   sliding_window=sliding_window, soft_cap=soft_cap, interpret=backend == "pallas-interpret")
+
+
+def _cpu_kernel_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *, scale: float, sliding_window,
+                          soft_cap: float):
+    """Every query row (decode rows and prompt-chunk rows alike) to the C++ kernel of `cpu_ffi.py`, one
+    call per layer: it needs each row's sequence and causal key count, which the ragged metadata
+    gives per sequence."""
+    from jaxserve.cpu_ffi import paged_row_attention
+
+    num_tokens = q.shape[0]
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)
+    seqs = jnp.minimum(jnp.searchsorted(md.cu_q_lens[1:], rows, side="right"), md.kv_lens.shape[0] - 1)
+    positions = md.kv_lens[seqs] - md.cu_q_lens[seqs + 1] + rows  # kv_len - q_len + row offset
+    kv_lens = jnp.where(rows < md.cu_q_lens[-1], positions + 1, 0)  # padding rows: nothing
+    return paged_row_attention(q, k_pages, v_pages, layer, kv_lens, seqs, md.block_tables, scale=scale,
+                               sliding_window=sliding_window, soft_cap=soft_cap).astype(q.dtype)

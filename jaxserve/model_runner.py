@@ -4,7 +4,7 @@ It owns the params, the KV page array, the shape buckets and the compiled execut
 points, both the same step function (forward pass + on-device sampling) compiled per bucket:
 
   prefill: a ragged batch of prompt chunks and decode rows on one token axis, padded to a
-           token-count bucket; attention in query tiles of `prefill_query_block` rows.
+           token-count bucket; attention in query tiles of `prefill_query_tile` rows.
   decode:  one token per sequence, padded to a batch-size bucket; attention tiles of one row.
 
 Every bucket is compiled ahead of time (`warmup`), and `execute` only looks executables up: a
@@ -83,11 +83,11 @@ class StepInputs(NamedTuple):
     sampling: SamplingTensors  # [S] rows
 
 
-def _step(params, kv_cache, inputs: StepInputs, *, cfg: ModelConfig, q_block: int, kv_block: int,
+def _step(params, kv_cache, inputs: StepInputs, *, cfg: ModelConfig, q_tile: int, kv_tile: int,
           attention_backend: str, decode_only: bool = False):
     logits, kv_cache = forward(
         params, cfg, inputs.token_ids, inputs.positions, kv_cache, inputs.md, inputs.logits_indices,
-        q_block=q_block, kv_block=kv_block, attention_backend=attention_backend, decode_only=decode_only,
+        q_tile=q_tile, kv_tile=kv_tile, attention_backend=attention_backend, decode_only=decode_only,
     )
     return sample(logits, inputs.sampling), kv_cache
 
@@ -105,10 +105,10 @@ class ModelRunner:
         self.kv_cache = init_kv_cache(model_cfg, self.num_pages, engine_cfg.block_size, engine_cfg.dtype)
         self.prefill_buckets = prefill_buckets(engine_cfg)
         self.decode_buckets = decode_buckets(engine_cfg)
-        step = functools.partial(_step, cfg=model_cfg, kv_block=min(engine_cfg.kv_block, engine_cfg.max_model_len),
+        step = functools.partial(_step, cfg=model_cfg, kv_tile=min(engine_cfg.kv_tile, engine_cfg.max_model_len),
                                  attention_backend=self.attention_backend)
-        self._prefill = jax.jit(functools.partial(step, q_block=engine_cfg.prefill_query_block), donate_argnums=1)
-        self._decode = jax.jit(functools.partial(step, q_block=1, decode_only=True), donate_argnums=1)
+        self._prefill = jax.jit(functools.partial(step, q_tile=engine_cfg.prefill_query_tile), donate_argnums=1)
+        self._decode = jax.jit(functools.partial(step, q_tile=1, decode_only=True), donate_argnums=1)
         self._executables: dict[tuple[str, int], object] = {}
         # logit_bias entries, plus EOS and stop ids suppressed before min_tokens
         self.bias_width = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + len(model_cfg.eos_token_ids)
@@ -134,8 +134,9 @@ class ModelRunner:
         return jax.jit(to_serving)(params) | rope()
 
     def _num_pages(self) -> int:
+        """Pages in the array: the pool's pages plus the dummy page 0."""
         if self.cfg.num_kv_pages is not None:
-            return self.cfg.num_kv_pages
+            return self.cfg.num_kv_pages + 1
         per_page = kv_bytes_per_token(self.model_cfg, self.cfg.dtype) * self.cfg.block_size
         num_pages = self.cfg.kv_cache_memory_bytes // per_page
         if num_pages < 2:

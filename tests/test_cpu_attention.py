@@ -1,6 +1,6 @@
 """The C++ paged attention for XLA:CPU (`jaxserve/cpu_ffi.py`) against the dense reference.
 
-The kernel computes every row of `ragged_paged_attention(cpu_kernel=True)`: decode rows and the rows of
+The kernel computes every row of `paged_attention(backend="cpu")`: decode rows and the rows of
 prompt chunks, each over its own causal key range. The ragged cases mix both (chunks with and without
 a cached prefix), the decode cases have single rows only; all of them have padding rows and
 sequences, shuffled pages, and large values in the slots no sequence owns (a read past kv_len, or
@@ -19,7 +19,7 @@ import pytest
 import pallas_kernels as pk
 from jaxserve import cpu_ffi
 from jaxserve.attention import ragged_paged_attention
-from jaxserve.attention_backends import resolve_attention_backend
+from jaxserve.attention_backends import paged_attention, resolve_attention_backend
 from jaxserve.config import ModelConfig, RopeConfig
 from jaxserve.engine_config import EngineConfig
 from test_pallas_attention import LAYER, build_case, decode_lengths, ragged_lengths
@@ -55,31 +55,30 @@ def test_cpu_kernel_matches_the_reference(head_dim, page_size, group, window, so
                                           dtype="float32", seed=3)
     kw = dict(scale=head_dim ** -0.5, sliding_window=window, soft_cap=soft_cap)
     decode_only = all(n <= 1 for n, _ in lengths)
-    attention = jax.jit(functools.partial(ragged_paged_attention, cpu_kernel=True, decode_only=decode_only,
-                                          q_block=8, kv_block=32, **kw))
+    attention = jax.jit(functools.partial(paged_attention, backend="cpu", decode_only=decode_only, **kw))
     out = np.asarray(attention(q, k, v, LAYER, md))
     ref = np.asarray(pk.ragged_paged_attention_reference(q, k, v, LAYER, md.cu_q_lens, md.kv_lens, md.block_tables,
                                                          **kw))
     np.testing.assert_allclose(out[:real_tokens], ref[:real_tokens], atol=2e-5, rtol=1e-5)
     assert not np.any(out[real_tokens:]), "padding rows must be zeros"
-    xla = np.asarray(jax.jit(functools.partial(ragged_paged_attention, decode_only=decode_only, q_block=8,
-                                               kv_block=32, **kw))(q, k, v, LAYER, md))
+    xla = np.asarray(jax.jit(functools.partial(ragged_paged_attention, decode_only=decode_only, q_tile=8,
+                                               kv_tile=32, **kw))(q, k, v, LAYER, md))
     np.testing.assert_allclose(out, xla, atol=2e-5, rtol=1e-5)  # the engine's two CPU paths agree too
 
 
 def test_cpu_kernel_reads_the_layer_it_is_given_inside_a_layer_loop():
-    """In the model the kernel runs inside the scan over layers, with a traced layer index: the result
-    for each layer must be that layer's, not layer 0's."""
+    """Called with a traced layer index (here inside a loop over layers), the kernel must give each
+    layer's own result, not layer 0's."""
     q, k, v, md, real_tokens = build_case(decode_lengths(16), page_size=16, head_dim=64, group=3,
                                           dtype="float32", seed=5)
-    attend = functools.partial(ragged_paged_attention, scale=0.125, decode_only=True)
+    attend = functools.partial(paged_attention, scale=0.125, decode_only=True)
 
-    def per_layer(cpu_kernel):
+    def per_layer(backend):
         def body(layer, acc):
-            return acc.at[layer].set(attend(q, k, v, layer, md, cpu_kernel=cpu_kernel))
+            return acc.at[layer].set(attend(q, k, v, layer, md, backend=backend))
         return jax.jit(lambda: jax.lax.fori_loop(0, k.shape[0], body, np.zeros((k.shape[0], *q.shape), np.float32)))()
 
-    out, ref = np.asarray(per_layer(True)), np.asarray(per_layer(False))
+    out, ref = np.asarray(per_layer("cpu")), np.asarray(per_layer("xla"))
     np.testing.assert_allclose(out, ref, atol=2e-5, rtol=1e-5)
     assert np.abs(out[0, :real_tokens] - out[1, :real_tokens]).max() > 0.1  # the layers differ
 

@@ -360,19 +360,20 @@ def test_kv_pool_follows_the_memory_budget(model_dir, dtype):
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.params))
     assert live_delta <= kv_bytes + param_bytes + 2**20  # no second copy of the cache anywhere
 
+    # num_kv_pages counts the pool's pages, as get_stats()["num_pages"] does; the array adds the dummy page 0.
     fixed = LLM(model_dir, kv_cache_memory_bytes=budget, num_kv_pages=20, **kwargs)
-    assert sum(x.nbytes for x in fixed.engine.runner.kv_cache) == 20 * page
-    assert fixed.engine.pool.num_pages == 20
+    assert sum(x.nbytes for x in fixed.engine.runner.kv_cache) == 21 * page
+    assert fixed.engine.pool.num_pages == 21 and fixed.get_stats()["num_pages"] == 20
 
 
 def test_kv_budget_too_small_is_refused(model_dir):
     """A byte budget or page count whose pool cannot hold max_model_len tokens fails at start-up, by name."""
     kwargs = dict(max_model_len=64, block_size=8, max_num_seqs=4, max_num_batched_tokens=32, warmup=False)
     with pytest.raises(ValueError, match="max_model_len=64"):
-        LLM(model_dir, num_kv_pages=8, **kwargs)  # 7 usable pages = 56 tokens
+        LLM(model_dir, num_kv_pages=7, **kwargs)  # 56 tokens
     with pytest.raises(ValueError, match="at least 2"):
         LLM(model_dir, kv_cache_memory_bytes=1000, **kwargs)
-    LLM(model_dir, num_kv_pages=9, **kwargs)  # exactly 64 tokens: accepted
+    LLM(model_dir, num_kv_pages=8, **kwargs)  # exactly 64 tokens: accepted
 
 
 def test_unmixed_steps_hold_one_kind_and_give_the_same_tokens(model_dir, reference):

@@ -38,7 +38,7 @@ PAGES_PER_SEQ = 8  # 64 tokens per sequence at most
 PROMPT_LEN = 40  # longer than both sliding windows (mistral 24, gemma3 20) and 5 pages
 BATCH_TOKENS, BATCH_SEQS = 64, 6  # the shape of every call but decode
 
-forward_jit = jax.jit(forward, static_argnames=("cfg", "q_block", "kv_block"))
+forward_jit = jax.jit(forward, static_argnames=("cfg", "q_tile", "kv_tile"))
 max_errors: dict[str, float] = {}
 
 
@@ -84,7 +84,7 @@ def garbage_cache(cfg: ModelConfig, seed: int = 0):
     return jnp.asarray(k), jnp.asarray(v)
 
 
-def run(model: TinyModel, kv_cache, chunks, *, num_tokens, num_seqs, cfg=None, q_block=16, kv_block=128,
+def run(model: TinyModel, kv_cache, chunks, *, num_tokens, num_seqs, cfg=None, q_tile=16, kv_tile=128,
         packed=False):
     """One forward call; returns each real sequence's logits rows [q_len, vocab] and the cache.
     packed: the weights packed for the C++ CPU matmul."""
@@ -93,7 +93,7 @@ def run(model: TinyModel, kv_cache, chunks, *, num_tokens, num_seqs, cfg=None, q
     cfg = cfg or model.cfg
     logits, kv_cache = forward_jit(
         serving_params(cfg, model.loaded.params, packed=packed), cfg, batch.token_ids, batch.positions, kv_cache, batch.md,
-        batch.logits_indices, q_block=q_block, kv_block=kv_block,
+        batch.logits_indices, q_tile=q_tile, kv_tile=kv_tile,
     )
     logits = np.asarray(logits)
     return [logits[rows] for rows in batch.rows], kv_cache
@@ -158,10 +158,10 @@ def test_chunked_prefill_matches_one_shot_prefill(tiny, family):
     assert_matches_hf(model, chunked, model.hf_logits(prompt), "chunked prefill")
 
 
-def run_ragged_batches(model: TinyModel, *, cfg=None, q_block=16, kv_block=128, packed=False):
+def run_ragged_batches(model: TinyModel, *, cfg=None, q_tile=16, kv_tile=128, packed=False):
     """Two calls over 5 sequences: first fresh prompts of 1, 7, 8, 9 and 30 tokens in one batch, then
     a mix of decode rows and prefill chunks on top of those caches, the longest ending at position 32
-    (a key block boundary for kv_block 8 and 16). Returns per sequence its logits rows from both
+    (a key block boundary for kv_tile 8 and 16). Returns per sequence its logits rows from both
     calls [len, vocab], the sequences, their block tables, and the initial and final caches."""
     first_lens, second_lens = [1, 7, 8, 9, 30], [1, 1, 3, 9, 3]
     seqs = [random_tokens(a + b, seed=10 + i) for i, (a, b) in enumerate(zip(first_lens, second_lens))]
@@ -169,10 +169,10 @@ def run_ragged_batches(model: TinyModel, *, cfg=None, q_block=16, kv_block=128, 
     initial = garbage_cache(model.cfg)
     first = [SeqChunk(s[:n], 0, t) for s, n, t in zip(seqs, first_lens, tables)]
     logits1, kv_cache = run(model, initial, first, num_tokens=BATCH_TOKENS, num_seqs=BATCH_SEQS,
-                            cfg=cfg, q_block=q_block, kv_block=kv_block, packed=packed)
+                            cfg=cfg, q_tile=q_tile, kv_tile=kv_tile, packed=packed)
     second = [SeqChunk(s[n:], n, t) for s, n, t in zip(seqs, first_lens, tables)]
     logits2, kv_cache = run(model, kv_cache, second, num_tokens=BATCH_TOKENS, num_seqs=BATCH_SEQS,
-                            cfg=cfg, q_block=q_block, kv_block=kv_block, packed=packed)
+                            cfg=cfg, q_tile=q_tile, kv_tile=kv_tile, packed=packed)
     logits = [np.concatenate([a, b]) for a, b in zip(logits1, logits2)]
     return logits, seqs, tables, initial, kv_cache
 
@@ -204,19 +204,19 @@ def test_weights_packed_for_the_cpu_matmul_match_hf(tiny, family):
         assert_matches_hf(model, seq_logits, model.hf_logits(seq), f"packed, ragged sequence {i}")
 
 
-@pytest.mark.parametrize("q_block, kv_block", [(1, 8), (4, 16)])
+@pytest.mark.parametrize("q_tile, kv_tile", [(1, 8), (4, 16)])
 @pytest.mark.parametrize("family", ["mistral", "qwen3", "gemma3"])
-def test_query_and_key_block_sizes_do_not_change_results(tiny, family, q_block, kv_block):
+def test_query_and_key_block_sizes_do_not_change_results(tiny, family, q_tile, kv_tile):
     """The ragged batches give the same logits for every query tile / key block size (against the
     default 16 / 128): guards the tiling, the online softmax across key blocks, and the first key
     block of a sliding window. The families cover what attention sees: sliding windows (mistral,
     gemma3's mixed layers), head_dim 32 (qwen3) and 16, a non-default query scale (gemma3)."""
     model = tiny(family)
     reference, seqs, _, _, _ = run_ragged_batches(model)
-    logits, _, _, _, _ = run_ragged_batches(model, q_block=q_block, kv_block=kv_block)
+    logits, _, _, _, _ = run_ragged_batches(model, q_tile=q_tile, kv_tile=kv_tile)
     for i, (actual, expected, seq) in enumerate(zip(logits, reference, seqs)):
         np.testing.assert_allclose(actual, expected, atol=BLOCK_ATOL, rtol=0, err_msg=f"sequence {i}")
-        assert_matches_hf(model, actual, model.hf_logits(seq), f"{q_block=} {kv_block=} sequence {i}")
+        assert_matches_hf(model, actual, model.hf_logits(seq), f"{q_tile=} {kv_tile=} sequence {i}")
 
 
 def _mutations():

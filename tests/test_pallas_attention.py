@@ -242,7 +242,7 @@ def test_reference_matches_the_xla_foundation_path():
                                               group=group, dtype="float32", seed=7)
         kw = dict(scale=0.125, sliding_window=window, soft_cap=soft_cap)
         ref = pk.ragged_paged_attention_reference(q, k, v, LAYER, md.cu_q_lens, md.kv_lens, md.block_tables, **kw)
-        xla = xla_ragged_paged_attention(q, k, v, LAYER, md, q_block=8, kv_block=32, **kw)
+        xla = xla_ragged_paged_attention(q, k, v, LAYER, md, q_tile=8, kv_tile=32, **kw)
         np.testing.assert_allclose(np.asarray(xla), np.asarray(ref), atol=1e-5)
 
 

@@ -41,7 +41,7 @@ COMMON_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q
 OTHER_TYPES = [t for t in gguf_tensor_types() if t not in COMMON_TYPES]
 MAX_RANDOM_WEIGHT = 0.1  # random blocks of the other types: about the magnitude of the model's weights
 PAGE_SIZE = 16
-forward_jit = jax.jit(forward, static_argnames=("cfg", "q_block", "kv_block"))
+forward_jit = jax.jit(forward, static_argnames=("cfg", "q_tile", "kv_tile"))
 
 
 @pytest.fixture(autouse=True)

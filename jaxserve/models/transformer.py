@@ -114,10 +114,10 @@ def _mlp(cfg: ModelConfig, lp, x, rows):
     return matmul(jax.nn.gelu(gate, approximate=True) * up, lp["w_down"], rows)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sliding", "q_block", "kv_block", "attention_backend",
+@functools.partial(jax.jit, static_argnames=("cfg", "sliding", "q_tile", "kv_tile", "attention_backend",
                                              "decode_only"))
 def _layer(h, k_pages, v_pages, lp, layer, cos, sin, md: AttentionMetadata, *, cfg: ModelConfig, sliding: bool,
-           q_block: int, kv_block: int, attention_backend: str, decode_only: bool):
+           q_tile: int, kv_tile: int, attention_backend: str, decode_only: bool):
     """One decoder layer. Jitted on its own so that tracing and lowering happen once per step
     function, not once per layer; XLA still inlines it into each layer's place."""
     num_tokens = h.shape[0]
@@ -141,8 +141,8 @@ def _layer(h, k_pages, v_pages, lp, layer, cos, sin, md: AttentionMetadata, *, c
         scale=cfg.scale,
         sliding_window=cfg.sliding_window if sliding else 0,
         soft_cap=cfg.attn_logit_softcap,
-        q_block=q_block,
-        kv_block=kv_block,
+        q_tile=q_tile,
+        kv_tile=kv_tile,
         backend=attention_backend,
         decode_only=decode_only,
     )
@@ -165,8 +165,8 @@ def forward(
     md: AttentionMetadata,
     logits_indices,  # [S] int32: rows whose next-token logits are wanted
     *,
-    q_block: int = 16,
-    kv_block: int = 128,
+    q_tile: int = 16,
+    kv_tile: int = 128,
     attention_backend: str = "xla",
     decode_only: bool = False,
 ):
@@ -196,7 +196,7 @@ def forward(
         sliding = bool(cfg.layer_is_sliding[layer_id])
         h, k_pages, v_pages = _layer(
             h, k_pages, v_pages, lp, jnp.int32(layer_id), *(local_rope if sliding else global_rope), md,
-            cfg=cfg, sliding=sliding, q_block=q_block, kv_block=kv_block, attention_backend=attention_backend,
+            cfg=cfg, sliding=sliding, q_tile=q_tile, kv_tile=kv_tile, attention_backend=attention_backend,
             decode_only=decode_only,
         )
 
