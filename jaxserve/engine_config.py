@@ -30,7 +30,7 @@ DEFAULT_MAX_MODEL_LEN = 2048  # the cap on the model's own context length when m
 
 
 def parse_size(text: str) -> int:
-    """A byte count: "536870912", "512MiB", "0.5GiB", "4G" (binary units, as vLLM's sizes)."""
+    """A byte count: "536870912", "512MiB", "0.5GiB", "4G" (K, M, G and T are powers of 1024)."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
     if match is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (for example 536870912, 512MiB or 4GiB)")
