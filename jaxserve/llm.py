@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import sys
 from typing import Any, Sequence
 
 from tqdm.auto import tqdm
