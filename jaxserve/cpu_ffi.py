@@ -2,13 +2,13 @@
 
 - `paged_row_attention` (`cpu_kernels/paged_row_attention.cc`). XLA's own paged attention
   (`attention.py`) gathers every page of every sequence into a copy and runs on one thread; on a CPU
-  that is most of a large decode step, and its loops over query tiles and key blocks, repeated in
+  that is most of a large decode step, and its loops over query tiles and key tiles, repeated in
   every layer, made the prompt-step executables slow to compile. The kernel takes every query row of
   a step (decode rows and prompt-chunk rows alike) and reads keys and values in place from the pages.
 - `matmul` with a `PackedWeight` (`cpu_kernels/packed_matmul.cc`). XLA:CPU's dot runs the few-row
-  matmuls of decode steps at a quarter of its large-matmul rate (47 GFLOP/s at 8 rows against about
-  150 here); with the weights packed in column blocks, the kernel runs them at 2.2-2.5x that speed
-  at 8 rows and 1.6x at 32, and is level with or ahead of XLA's dot at 512 (docs/benchmarks.md).
+  matmuls of decode steps far below its large-matmul rate; with the weights packed in column panels
+  the kernel keeps a few rows' accumulators in registers and streams each panel once, which is
+  faster there and no slower on prompt-sized matmuls (benchmarks/results/cpu_kernels_history.md).
   `silu_gated_matmul` computes a gated MLP's silu(x @ w_gate) * (x @ w_up) in the same kernel from
   the packed [w_gate | w_up], and writes only the product.
 
@@ -16,8 +16,13 @@ Both spread their work over XLA's own intra-op threads. They need a C++ compiler
 once: the library is cached under ~/.cache/jaxserve/kernels (JAXSERVE_KERNEL_CACHE moves it), keyed
 by everything that decides the machine code (`cache_key`): the sources, the compiler and its flags,
 the jax version, and the CPU's instruction-set features, since `-march=native` builds for this CPU
-alone and a cache shared with another CPU must not load it. Compiler warnings go to the log. Without
-a compiler `kernel_error()` says why, and the engine keeps XLA's attention and dot. float32 only.
+alone and a cache shared with another CPU (a home directory on a cluster) must not load it, or the
+first kernel call dies of SIGILL. The features come from two places: the compiler itself (the macros
+that `-march=native` predefines, `__AVX2__`, `__AVX512F__`, `__ARM_FEATURE_SVE` ...: exactly the
+instruction sets the library may use, on any OS, with GCC or clang) and, on Linux, the `flags` line
+of /proc/cpuinfo, which also tells apart CPUs whose differences no macro names; a key a little finer
+than needed costs at most a rebuild. Compiler warnings (-Wall) go to the log. Without a compiler `kernel_error()` says why, and the engine keeps
+XLA's attention and dot. float32 only.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import ctypes
 import dataclasses
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -48,7 +54,7 @@ TARGETS = {  # FFI target -> handler symbol
     "jaxserve_packed_matmul": "JaxservePackedMatmul",
     "jaxserve_packed_gated_matmul": "JaxservePackedGatedMatmul",
 }
-PACK_BLOCK = 48  # columns per packed block: kBlock in packed_matmul.cc, which checks it
+PANEL_WIDTH = 48  # columns per packed panel: kPanelWidth in packed_matmul.cc, which checks it
 _registered = False  # XLA keeps the first handler registered under a target for the process
 _register_lock = threading.Lock()
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
@@ -56,8 +62,8 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fass
 
 
 def cpu_features() -> str:
-    """This CPU's instruction-set features as the kernel reports them (Linux: the `flags` line of
-    /proc/cpuinfo on x86, `Features` on Arm), else the processor's name."""
+    """This CPU's instruction-set features as the operating system reports them (Linux: the `flags`
+    line of /proc/cpuinfo on x86, `Features` on Arm), else the processor's name."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -67,6 +73,19 @@ def cpu_features() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+@functools.cache
+def native_target(compiler: str) -> str:
+    """The macros `compiler` predefines for this CPU under FLAGS' target options (`-march=native`):
+    what the flag resolved to, sorted; empty when the compiler cannot say."""
+    target_flags = [flag for flag in FLAGS if flag.startswith("-m")]
+    command = [compiler, *target_flags, "-dM", "-E", "-x", "c++", os.devnull]
+    try:
+        macros = subprocess.run(command, capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        macros = ""
+    return "\n".join(sorted(macros.splitlines()))
 
 
 @functools.cache
@@ -82,14 +101,19 @@ def compiler_identity(compiler: str) -> str:
 
 def cache_key(sources: list[str], compiler: str, flags: tuple[str, ...], jax_version: str, machine: str,
               features: str) -> str:
-    """The library's cache key: a change in any input that decides the machine code changes it."""
-    parts = [*sources, compiler, *flags, jax_version, machine, features]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    """The library's cache key: a change in any input that decides the machine code changes it.
+
+    compiler: its identity (`compiler_identity`); features: the CPU's instruction sets (`cpu_features`
+    and `native_target`). JSON keeps the inputs apart: no two different input lists hash the same text.
+    """
+    parts = [sources, compiler, list(flags), jax_version, machine, features]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 
 def library_path(compiler: str) -> Path:
+    features = f"{cpu_features()}\n{native_target(compiler)}"
     key = cache_key([source.read_text() for source in SOURCES + HEADERS], compiler_identity(compiler), FLAGS,
-                    jax.__version__, platform.machine(), cpu_features())
+                    jax.__version__, platform.machine(), features)
     root = os.environ.get("JAXSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "jaxserve" / "kernels"
     return Path(root).expanduser() / f"cpu_kernels-{key}.so"
 
@@ -117,6 +141,13 @@ def kernel_error() -> str | None:
         return _build_and_register()
 
 
+def forget_kernel_error() -> None:
+    """Forgets kernel_error()'s answer, so that its next call looks for the compiler and the cached
+    library again (after $CXX or the cache directory changed). Registered kernels stay registered."""
+    with _register_lock:
+        _build_and_register.cache_clear()
+
+
 @functools.cache
 def _build_and_register() -> str | None:
     compiler = os.environ.get("CXX", "c++")
@@ -133,11 +164,11 @@ def _build_and_register() -> str | None:
         try:
             lib = ctypes.cdll.LoadLibrary(str(library))
             handlers = {target: getattr(lib, symbol) for target, symbol in TARGETS.items()}
-            block = lib.JaxservePackedMatmulBlock()
+            panel_width = lib.JaxservePackedMatmulPanelWidth()
         except (OSError, AttributeError) as e:
             return f"cannot load the CPU kernels {library}: {e}"
-        if block != PACK_BLOCK:
-            return f"the CPU matmul kernel packs {block} columns per block, cpu_ffi.py {PACK_BLOCK}"
+        if panel_width != PANEL_WIDTH:
+            return f"the CPU matmul kernel packs {panel_width} columns per panel, cpu_ffi.py {PANEL_WIDTH}"
         for target, handler in handlers.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
         _registered = True
@@ -159,8 +190,8 @@ def paged_row_attention(q, k_pages, v_pages, layer, kv_lens, row_seqs, block_tab
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["data"], meta_fields=["n"])
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
-    """A float32 weight w [K, n] for `matmul`, stored as data [ceil(n / PACK_BLOCK), K, PACK_BLOCK]:
-    each block of PACK_BLOCK columns is one contiguous run of K rows, zero-padded past n."""
+    """A float32 weight w [K, n] for `matmul`, stored as data [ceil(n / PANEL_WIDTH), K, PANEL_WIDTH]:
+    each panel of PANEL_WIDTH columns is one contiguous run of K rows, zero-padded past n."""
 
     data: jax.Array
     n: int
@@ -170,14 +201,14 @@ class PackedWeight:
         """From w [K, n]; a numpy w is packed on the host, a jax one (or shapes) by XLA."""
         xp = np if isinstance(w, np.ndarray) else jnp
         k, n = w.shape
-        blocks = -(-n // PACK_BLOCK)
-        padded = xp.pad(w, ((0, 0), (0, blocks * PACK_BLOCK - n)))
-        packed = padded.reshape(k, blocks, PACK_BLOCK).transpose(1, 0, 2)
+        panels = -(-n // PANEL_WIDTH)
+        padded = xp.pad(w, ((0, 0), (0, panels * PANEL_WIDTH - n)))
+        packed = padded.reshape(k, panels, PANEL_WIDTH).transpose(1, 0, 2)
         return cls(np.ascontiguousarray(packed) if xp is np else packed, n)
 
     def columns(self, ids):
         """w[:, ids].T, [len(ids), K]: an embedding lookup when w is a tied LM head (embed.T)."""
-        return self.data[ids // PACK_BLOCK, :, ids % PACK_BLOCK]
+        return self.data[ids // PANEL_WIDTH, :, ids % PANEL_WIDTH]
 
 
 def _rows_operand(x, rows):
@@ -199,8 +230,8 @@ def matmul(x, w, rows=None):
 
 def silu_gated_matmul(x, w, rows=None):
     """silu(x @ w_gate) * (x @ w_up) for w = [w_gate | w_up] [K, 2 I]: one kernel call for a PackedWeight
-    whose halves are whole blocks (I a multiple of PACK_BLOCK), else matmul and XLA. rows: as for matmul."""
-    if isinstance(w, PackedWeight) and w.n % (2 * PACK_BLOCK) == 0:
+    whose halves are whole panels (I a multiple of PANEL_WIDTH), else matmul and XLA. rows: as for matmul."""
+    if isinstance(w, PackedWeight) and w.n % (2 * PANEL_WIDTH) == 0:
         assert x.dtype == jnp.float32 and w.data.dtype == jnp.float32, "the CPU matmul kernel is float32"
         out = jax.ShapeDtypeStruct((x.shape[0], w.n // 2), jnp.float32)
         return jax.ffi.ffi_call("jaxserve_packed_gated_matmul", out)(x, w.data, _rows_operand(x, rows))

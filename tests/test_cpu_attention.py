@@ -108,7 +108,7 @@ def test_without_a_compiler_auto_falls_back_to_xla_and_says_why(monkeypatch, tmp
     the reason; an explicit 'cpu' is refused with it."""
     monkeypatch.setenv("CXX", "no-such-compiler")
     monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
-    cpu_ffi._build_and_register.cache_clear()
+    cpu_ffi.forget_kernel_error()
     try:
         assert "no C++ compiler ('no-such-compiler'" in cpu_ffi.kernel_error()
         f32 = EngineConfig(dtype="float32")
@@ -118,7 +118,7 @@ def test_without_a_compiler_auto_falls_back_to_xla_and_says_why(monkeypatch, tmp
         with pytest.raises(ValueError, match="no C\\+\\+ compiler"):
             resolve_attention_backend("cpu", SMOLLM2_LIKE, f32, platform="cpu")
     finally:
-        cpu_ffi._build_and_register.cache_clear()
+        cpu_ffi.forget_kernel_error()
         monkeypatch.undo()
         assert cpu_ffi.kernel_error() is None  # built or cached again for the tests that follow
 

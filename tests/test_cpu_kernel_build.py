@@ -28,11 +28,35 @@ def test_the_cache_key_changes_with_everything_that_decides_the_machine_code(fie
     assert cpu_ffi.cache_key(**{**BASE, field: other}) != cpu_ffi.cache_key(**BASE)
 
 
+def test_the_cache_key_keeps_its_inputs_apart():
+    """A source's text moving into the compiler's identity (or any such shift between inputs) is
+    another key: the inputs are not simply concatenated."""
+    shifted = {**BASE, "sources": ["int f();", BASE["compiler"]], "compiler": ""}
+    assert cpu_ffi.cache_key(**shifted) != cpu_ffi.cache_key(**BASE)
+
+
 def test_the_library_path_depends_on_this_cpus_features(monkeypatch, tmp_path):
+    """Both sources of the CPU's features reach the library's name: the operating system's list and
+    what the compiler resolves -march=native to."""
     monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
     here = cpu_ffi.library_path("c++")
-    monkeypatch.setattr(cpu_ffi, "cpu_features", lambda: "sse2")
-    assert cpu_ffi.library_path("c++") != here
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_ffi, "cpu_features", lambda: "sse2")
+        assert cpu_ffi.library_path("c++") != here
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_ffi, "native_target", lambda compiler: "#define __SSE2__ 1")
+        assert cpu_ffi.library_path("c++") != here
+    assert cpu_ffi.library_path("c++") == here
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler (c++ on PATH)")
+def test_native_target_is_what_march_native_resolves_to():
+    """The compiler names the instruction sets -march=native gives it here (on x86-64 at least SSE2,
+    the architecture's baseline), in a stable order; a compiler that cannot run gives nothing."""
+    target = cpu_ffi.native_target("c++")
+    assert "#define __SSE2__ 1" in target or "__aarch64__" in target
+    assert target == cpu_ffi.native_target("c++") and target.splitlines() == sorted(target.splitlines())
+    assert cpu_ffi.native_target("no-such-compiler") == ""
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler (c++ on PATH)")

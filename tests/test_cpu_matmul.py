@@ -16,7 +16,7 @@ import pytest
 from jaxserve import cpu_ffi
 from jaxserve.attention_backends import resolve_matmul_backend
 from jaxserve.engine_config import EngineConfig
-from jaxserve.cpu_ffi import PACK_BLOCK, PackedWeight, matmul
+from jaxserve.cpu_ffi import PANEL_WIDTH, PackedWeight, matmul
 
 needs_kernels = pytest.mark.skipif(cpu_ffi.kernel_error() is not None,
                                    reason=f"the CPU kernels are unavailable: {cpu_ffi.kernel_error()}")
@@ -35,12 +35,12 @@ def test_the_kernels_build_wherever_a_compiler_is_found():
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 17, 64])
 def test_packed_matmul_matches_numpy(m, k, n):
     """Row counts below, at and past the kernel's 8-row tile; widths below, at and past a 48-column
-    block. Every output element is checked, so a missed tail row or column shows."""
+    panel. Every output element is checked, so a missed tail row or column shows."""
     rng = np.random.default_rng(m * 1000 + n)
     x = rng.standard_normal((m, k), np.float32)
     w = rng.standard_normal((k, n), np.float32)
     packed = PackedWeight.pack(w)
-    assert packed.data.shape == (-(-n // PACK_BLOCK), k, PACK_BLOCK) and packed.n == n
+    assert packed.data.shape == (-(-n // PANEL_WIDTH), k, PANEL_WIDTH) and packed.n == n
     out = np.asarray(jax.jit(matmul)(jnp.asarray(x), jax.device_put(packed)))
     expected = x.astype(np.float64) @ w.astype(np.float64)
     assert out.shape == (m, n)
@@ -74,7 +74,7 @@ def test_only_the_real_rows_are_multiplied_and_the_padding_rows_are_zeros(rows):
     zeros even where x holds values there, in both kernels; a count past M means all rows."""
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((24, 96), np.float32)
-    w = rng.standard_normal((96, 2 * PACK_BLOCK), np.float32)
+    w = rng.standard_normal((96, 2 * PANEL_WIDTH), np.float32)
     kept = min(rows, 24)
     expected = x.astype(np.float64) @ w.astype(np.float64)
     expected[kept:] = 0.0
@@ -89,7 +89,7 @@ def test_only_the_real_rows_are_multiplied_and_the_padding_rows_are_zeros(rows):
 
 
 @needs_kernels
-def test_silu_gated_matmul_keeps_xla_for_halves_that_are_not_whole_blocks():
+def test_silu_gated_matmul_keeps_xla_for_halves_that_are_not_whole_panels():
     x = np.random.default_rng(1).standard_normal((3, 8), np.float32)
     w = np.random.default_rng(2).standard_normal((8, 2 * 40), np.float32)
     gate, up = np.split(x @ w, 2, axis=-1)
@@ -102,7 +102,7 @@ def test_packing_in_jax_and_numpy_agree_and_columns_are_an_embedding_lookup():
     w = np.random.default_rng(0).standard_normal((10, 100), np.float32)
     host, traced = PackedWeight.pack(w), jax.jit(PackedWeight.pack)(jnp.asarray(w))
     np.testing.assert_array_equal(np.asarray(traced.data), host.data)
-    assert not host.data[-1, :, 100 - 2 * PACK_BLOCK:].any(), "the last block is padded with zeros"
+    assert not host.data[-1, :, 100 - 2 * PANEL_WIDTH:].any(), "the last panel is padded with zeros"
     ids = jnp.asarray([0, 47, 48, 99, 5])
     np.testing.assert_array_equal(np.asarray(jax.jit(PackedWeight.columns)(traced, ids)), w[:, np.asarray(ids)].T)
 

@@ -52,7 +52,7 @@ struct Problem {
 // A dot product over vectors leaves a vector of partial sums; the partial vectors of kLanes keys are
 // folded into one vector of kLanes sums (log2(kLanes) rounds, each pairing vector k with vector
 // k + n/2 by two shuffles and an add) instead of reducing every dot on its own. Round S takes lanes
-// in blocks of S, alternately from a and b; the two shuffles take the first and second S of each 2S.
+// in runs of S, alternately from a and b; the two shuffles take the first and second S of each 2S.
 constexpr int FoldLane(int lane, int s) {
   return (lane / s) / 2 * 2 * s + lane % s + ((lane / s) % 2 ? kLanes : 0);
 }
@@ -102,8 +102,7 @@ struct RowKeys {
   }
 
   // fn(index from start, the key's or value's [KVH, D] row), row by row; the page after the current
-  // one is prefetched into L2 when it starts (into L1, most of a page's prefetches were lost: 1.5x
-  // slower).
+  // one is prefetched into L2 when it starts (into L1, most of a page's prefetches were lost).
   template <typename Fn>
   void ForEach(const float* pages, Fn&& fn) const {
     const int64_t page_floats = p.page_size * p.token_stride;
@@ -117,8 +116,7 @@ struct RowKeys {
 };
 
 // Prefetches a page into L2 a few lines per step, spread over the steps that read the page before
-// it: a burst of a whole page's prefetches at once stalled the loads behind it (a third of the
-// kernel's samples under perf), and spreading them made decode attention about 8% faster.
+// it, because a burst of a whole page's prefetches at once stalls the loads queued behind it.
 class SpreadPrefetch {
  public:
   SpreadPrefetch(const float* page, int64_t page_floats, int64_t steps)
@@ -256,7 +254,7 @@ GroupedFn GroupedFor(int64_t head_dim, int64_t group) {
 }
 
 // Attention of query row `row`: a pass over its keys for the scores, the softmax, and a pass over
-// its values. Each page is one contiguous [page_size, KVH, D] block, read in place. Common shapes
+// its values. Each page is one contiguous [page_size, KVH, D] array, read in place. Common shapes
 // go to AttendGrouped; the rest are computed here, all heads at once per key.
 void AttendOne(const Problem& p, int64_t row, Scratch& scratch) {
   const int64_t num_heads = p.num_heads, head_dim = p.head_dim, page_size = p.page_size;
@@ -316,8 +314,8 @@ void AttendOne(const Problem& p, int64_t row, Scratch& scratch) {
 
 // A tile: `tokens` consecutive rows of one sequence, row first_row + t at kv_len first_kv_len + t,
 // attended for one KV head. Its tokens x G queries (lane = token * G + head in group) lie across
-// kTileVectors vectors, so both passes are register-blocked matrix products:
-//   scores [keys, lanes] = keys [keys, D] . queries^T [D, lanes], kKeyBlock keys at a time, a key's
+// kTileVectors vectors, so both passes are register-tiled matrix products:
+//   scores [keys, lanes] = keys [keys, D] . queries^T [D, lanes], kKeyTile keys at a time, a key's
 //   element broadcast against a vector of lanes' query elements (the queries transposed once);
 //   out [lanes, D] = weights^T [lanes, keys] . values [keys, D], R lanes at a time, a lane's weight
 //   broadcast against the value's D elements.
@@ -325,8 +323,8 @@ void AttendOne(const Problem& p, int64_t row, Scratch& scratch) {
 // the first token's range and are not written.
 constexpr int kTileVectors = kLanes == 16 ? 3 : 2;
 constexpr int kTileLanes = kTileVectors * kLanes;
-constexpr int kKeyBlock = kLanes == 16 ? 8 : 4;  // kKeyBlock x kTileVectors accumulators + kTileVectors
-constexpr int64_t kMinTileTokens = 4;            // shorter runs go row by row
+constexpr int kKeyTile = kLanes == 16 ? 8 : 4;  // kKeyTile x kTileVectors accumulators + kTileVectors
+constexpr int64_t kMinTileTokens = 4;           // shorter runs go row by row
 
 struct TileJob {
   int64_t first_row, tokens, kv_head;  // kv_head -1: the single row first_row, every head
@@ -341,7 +339,7 @@ void AttendTile(const Problem& p, const TileJob& job, Scratch& scratch) {
   const int64_t last_kv_len = std::min<int64_t>(first_kv_len + job.tokens - 1, cap);
   const auto start_of = [&](int64_t kv_len) { return p.window > 0 ? std::max<int64_t>(kv_len - p.window, 0) : 0; };
   const int64_t lo = start_of(first_kv_len), count = last_kv_len - lo;
-  const int64_t padded = (count + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+  const int64_t padded = (count + kKeyTile - 1) / kKeyTile * kKeyTile;
   const int64_t table_row = std::clamp<int64_t>(p.row_seqs[job.first_row], 0, p.num_table_rows - 1);
   const int32_t* table = p.tables + table_row * p.table_width;
   const RowKeys keys{p, table, lo, last_kv_len};
@@ -363,19 +361,19 @@ void AttendTile(const Problem& p, const TileJob& job, Scratch& scratch) {
   }
   auto& scores = scratch.tile_scores;  // [padded keys, kTileLanes]
   scores.resize(padded * kTileLanes);
-  for (int64_t i0 = 0; i0 < padded; i0 += kKeyBlock) {
-    Vec acc[kKeyBlock][kTileVectors] = {};
-    const float* block_rows[kKeyBlock];
-    for (int j = 0; j < kKeyBlock; ++j) block_rows[j] = key_rows[i0 + j];
+  for (int64_t i0 = 0; i0 < padded; i0 += kKeyTile) {
+    Vec acc[kKeyTile][kTileVectors] = {};
+    const float* tile_keys[kKeyTile];
+    for (int j = 0; j < kKeyTile; ++j) tile_keys[j] = key_rows[i0 + j];
     for (int64_t d = 0; d < D; ++d) {
       Vec qd[kTileVectors];
       for (int v = 0; v < kTileVectors; ++v) qd[v] = Load(queries.data() + d * kTileLanes + v * kLanes);
-      for (int j = 0; j < kKeyBlock; ++j) {
-        const float kd = block_rows[j][d];
+      for (int j = 0; j < kKeyTile; ++j) {
+        const float kd = tile_keys[j][d];
         for (int v = 0; v < kTileVectors; ++v) acc[j][v] += kd * qd[v];
       }
     }
-    for (int j = 0; j < kKeyBlock; ++j)
+    for (int j = 0; j < kKeyTile; ++j)
       for (int v = 0; v < kTileVectors; ++v) Store(scores.data() + (i0 + j) * kTileLanes + v * kLanes, acc[j][v]);
   }
 
