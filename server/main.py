@@ -31,9 +31,10 @@ def serve(args: argparse.Namespace) -> None:
 
     started = time.perf_counter() - _process_age()
     load_start = time.perf_counter()
+    chat_template = _read_chat_template(args.chat_template) if args.chat_template else None  # fail before loading
     engine, warmup = LLMEngine.from_config(args.model, engine_config_from_args(args))
-    if args.chat_template:
-        engine.tokenizer.chat_template = _read_chat_template(args.chat_template)
+    if chat_template is not None:
+        engine.tokenizer.chat_template = chat_template
     engine_loop = EngineLoop(engine).start()
     name = args.served_model_name or (os.path.basename(str(args.model).rstrip("/")) if args.model
                                       else "SmolLM2-135M-Instruct")
