@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
 from jaxserve.model_runner import ModelRunner
+from jaxserve.models.params import param_shapes as model_param_shapes
 
 PLATFORMS = {"cuda": "gpu", "cpu": "cpu"}  # lowering platform -> JAX backend name
 
@@ -34,25 +35,9 @@ class LoweringResult:
 
 
 def param_shapes(cfg: ModelConfig, dtype) -> dict:
-    """The params pytree of `models/transformer.py` as ShapeDtypeStructs (what weights.py would load)."""
-    sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))  # noqa: E731
-    num_layers, hidden, q_dim = cfg.num_layers, cfg.hidden_size, cfg.num_heads * cfg.head_dim
-    kv_dim, inter = cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    layers = dict(attn_norm=sds(num_layers, hidden), mlp_norm=sds(num_layers, hidden),
-                  wq=sds(num_layers, hidden, q_dim), wk=sds(num_layers, hidden, kv_dim),
-                  wv=sds(num_layers, hidden, kv_dim), wo=sds(num_layers, q_dim, hidden),
-                  w_gate=sds(num_layers, hidden, inter), w_up=sds(num_layers, hidden, inter),
-                  w_down=sds(num_layers, inter, hidden))
-    if cfg.attention_bias:
-        layers |= dict(bq=sds(num_layers, q_dim), bk=sds(num_layers, kv_dim), bv=sds(num_layers, kv_dim))
-    if cfg.qk_norm:
-        layers |= dict(q_norm=sds(num_layers, cfg.head_dim), k_norm=sds(num_layers, cfg.head_dim))
-    if cfg.sandwich_norm:
-        layers |= dict(post_attn_norm=sds(num_layers, hidden), post_mlp_norm=sds(num_layers, hidden))
-    params = dict(embed=sds(cfg.vocab_size, hidden), final_norm=sds(hidden), layers=layers)
-    if not cfg.tie_word_embeddings:
-        params["lm_head"] = sds(hidden, cfg.vocab_size)
-    return params
+    """The params pytree of `models/params.py` as ShapeDtypeStructs (what `weights` would load)."""
+    return jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)), model_param_shapes(cfg),
+                        is_leaf=lambda node: isinstance(node, tuple))
 
 
 def check_lowering(model_cfg: ModelConfig, engine_cfg: EngineConfig, params=None,

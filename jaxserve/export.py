@@ -1,9 +1,10 @@
 """`jaxserve convert --to hf`: writes a loaded model as a Hugging Face directory (float32 or bf16 safetensors).
 
-The inverse of `weights._params_from_hf`: our input-major matrices go back to torch's [out, in],
-Gemma's folded `1 + w` norms are unfolded, and the config, generation config and tokenizer are
-written beside the tensors, so transformers, vLLM and jaxserve itself all read the result. Used
-to hand other engines the very weights jaxserve serves (the default model ships only as a GGUF).
+The inverse of `weights.hf.params_from_hf`: each param goes through `weights.hf.to_hf` (our input-major
+matrices back to torch's [out, in], Gemma's folded `1 + w` norms unfolded) under its Hugging Face name,
+and the config, generation config and tokenizer are written beside the tensors, so transformers, vLLM
+and jaxserve itself all read the result. Used to hand other engines the very weights jaxserve serves
+(the default model ships only as a GGUF).
 """
 
 from __future__ import annotations
@@ -15,30 +16,18 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.config import ModelLoadError
-from jaxserve.weights import LoadedModel, _hf_layer_names
+from jaxserve.models.params import param_shapes
+from jaxserve.weights import LoadedModel
+from jaxserve.weights.hf import HF_GLOBAL_NAMES, hf_layer_names, to_hf
 
 
 def hf_state_dict(loaded: LoadedModel) -> dict[str, np.ndarray]:
-    cfg = loaded.config
-    norm_offset = 1.0 if cfg.architecture == "gemma3" else 0.0
-
-    def to_hf(name: str, array) -> np.ndarray:
-        array = np.asarray(array, np.float32)
-        if name.startswith("w"):
-            array = array.T
-        if "norm" in name:
-            array = array - norm_offset
-        return np.ascontiguousarray(array)
-
-    params = loaded.params
-    tensors = {"model.embed_tokens.weight": to_hf("embed", params["embed"]),
-               "model.norm.weight": to_hf("final_norm", params["final_norm"])}
-    if not cfg.tie_word_embeddings:
-        tensors["lm_head.weight"] = to_hf("w_lm_head", params["lm_head"])
-    for name, hf_name in _hf_layer_names(cfg).items():
+    cfg, params = loaded.config, loaded.params
+    tensors = {HF_GLOBAL_NAMES[name]: to_hf(cfg, name, params[name]) for name in param_shapes(cfg) if name != "layers"}
+    for name, hf_name in hf_layer_names(cfg).items():
         stacked = np.asarray(params["layers"][name], np.float32)
         for i in range(cfg.num_layers):
-            tensors[f"model.layers.{i}.{hf_name}"] = to_hf(name, stacked[i])
+            tensors[f"model.layers.{i}.{hf_name}"] = to_hf(cfg, name, stacked[i])
     return tensors
 
 

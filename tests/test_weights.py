@@ -19,6 +19,7 @@ as llama.cpp's own quant mixes (Q4_K_M: Q4_K, Q5_0, Q6_K, ...) do.
 from __future__ import annotations
 
 import shutil
+import sys
 
 import gguf
 import jax
@@ -397,17 +398,15 @@ def test_a_gguf_first_load_without_torch_names_the_extra_and_a_cached_one_needs_
                                                                                     llama_256):
     """transformers' GGUF reader imports torch: without it, a GGUF's first load says which extra to install;
     once converted, the model and tokenizer caches load it with no torch at all."""
-    from jaxserve import weights
-
     monkeypatch.setenv("JAXSERVE_MODEL_CACHE", str(tmp_path / "cache"))
     path = write_gguf(tmp_path / "tiny.gguf", llama_256, "llama")
     with monkeypatch.context() as patch:
-        patch.setattr(weights, "_torch_installed", lambda: False)
+        patch.setitem(sys.modules, "torch", None)  # what `import torch` and find_spec see with no torch
         with pytest.raises(ModelLoadError, match=r"needs torch .*jaxserve\[gguf\]"):
             load_model(path)
     first = load_model(path)
     with monkeypatch.context() as patch:
-        patch.setattr(weights, "_torch_installed", lambda: False)
+        patch.setitem(sys.modules, "torch", None)
         again = load_model(path)
     assert again.config == first.config
     assert again.tokenizer.encode("Hello") == first.tokenizer.encode("Hello")

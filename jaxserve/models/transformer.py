@@ -2,25 +2,9 @@
 
 The families differ only by flags in `ModelConfig` (biases, q/k norms, sandwich norms, activation,
 embedding scale, sliding-window layers, a second rope), so one forward pass serves them all; the
-per-family differences in weight names live in `weights.py`.
+per-family differences in weight names live in `weights/`.
 
-Params pytree as loaded (layers stacked on a leading axis; `weights.py` builds it, `export.py` writes it):
-
-    embed        [vocab, hidden]
-    final_norm   [hidden]
-    lm_head      [hidden, vocab]            (absent when embeddings are tied)
-    layers/
-      attn_norm, mlp_norm                   [L, hidden]
-      post_attn_norm, post_mlp_norm         [L, hidden]          (sandwich_norm)
-      wq [L, hidden, H*D]  wk, wv [L, hidden, KVH*D]  wo [L, H*D, hidden]
-      bq [L, H*D]  bk, bv [L, KVH*D]                              (attention_bias)
-      q_norm, k_norm                        [L, D]               (qk_norm)
-      w_gate, w_up [L, hidden, inter]  w_down [L, inter, hidden]
-
-Weights are stored input-major (`x @ w`); heads are contiguous blocks of the output axis, so the
-projections shard by heads. Norm weights are stored as the multiplier itself (Gemma's `1 + w` is
-folded in at load time).
-
+The params pytree as loaded (layers stacked, matrices input-major) is declared in `models/params.py`.
 `forward` takes them as `serving_params` lays them out: one dict per layer, q/k/v and gate/up each
 fused into one matrix. Slicing a layer out of a stacked array inside the compiled step copies it
 (XLA:CPU copied every weight of every layer on every step, 40 ms of a 145 ms decode step at batch
