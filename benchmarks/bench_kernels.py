@@ -11,7 +11,7 @@ relative Frobenius error over real rows), then times the kernel and XLA's path: 
 calls after a warm-up, each call waited for. Two ceilings are measured first in the same process: a
 device-to-device copy (bytes read + written) and a large bfloat16 matmul. A decode case reads every
 key and value of its sequences once, so its floor is KV bytes / copy bandwidth; a prefill case is
-compute-bound, so it is compared with the matmul rate (causal FLOPs only: masked blocks not counted).
+compute-bound, so it is compared with the matmul rate (causal FLOPs only: masked keys not counted).
 """
 
 from __future__ import annotations

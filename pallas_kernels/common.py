@@ -1,13 +1,13 @@
-"""What the Mosaic GPU (Hopper) paged-attention kernels share: shape rules, block sizes, and the
-in-kernel loop over KV blocks (TMA page copies -> QK^T -> online softmax -> PV on the tensor cores).
+"""What the Mosaic GPU (Hopper) paged-attention kernels share: shape rules, tile sizes, and the
+in-kernel loop over KV tiles (TMA page copies -> QK^T -> online softmax -> PV on the tensor cores).
 
-One program owns a tile of `ROWS` = 64 query rows (one wgmma M block) against one KV head. Rows are
+One program owns a tile of `ROWS` = 64 query rows (wgmma's M) against one KV head. Rows are
 (token, query head of the GQA group) pairs, token-major, so a tile holds 64 // group tokens. K/V are
 read page by page with TMA (`copy_gmem_to_smem`) straight from the layer's pages,
 `[num_layers, num_pages, page_size, num_kv_heads, head_dim]`, into a ring of `num_stages` SMEM
-blocks of `block_kv` keys, so the next block's copies are in flight while this one is computed.
+slots of `kv_tile` keys, so the next tile's copies are in flight while this one is computed.
 
-Interpret mode (JAX's GPU interpreter, see `_interpret.py`) runs the same kernel body with two
+Interpret mode (JAX's GPU interpreter, see `interpret.py`) runs the same kernel body with two
 substitutions the 0.10.2 interpreter needs: register-layout casts are dropped (they carry no math),
 and QK^T is a jnp dot over the same SMEM tiles, because the interpreter cannot read a wgmma operand
 through `transpose_ref`. Everything else -- TMA copies, barriers, masks, softmax, the PV wgmma --
@@ -26,7 +26,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 ROWS = 64  # query rows per program: Hopper's wgmma M
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
-SMEM_BYTES = 232448 - 4096  # H100/H200 per-block shared memory, less room for barriers
+SMEM_BYTES = 232448 - 4096  # H100/H200 shared memory per thread block, less room for barriers
 NEG_INF = -1e30  # finite: a fully masked row gives zeros, never NaN
 LOG2E = math.log2(math.e)
 _SWIZZLE = 128  # bytes; every operand row here is >= 128 bytes (head_dim >= 64, bf16)
@@ -38,15 +38,15 @@ class UnsupportedShapeError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Static block sizes of one kernel instance."""
+    """Static tile sizes of one kernel instance."""
 
-    block_kv: int  # keys per loop step (whole pages), the wgmma N of QK^T and K of PV
-    num_stages: int  # SMEM ring depth for K/V blocks
+    kv_tile: int  # keys per loop step (whole pages), the wgmma N of QK^T and K of PV
+    num_stages: int  # SMEM ring depth for K/V tiles
 
 
 def smem_bytes(cfg: KernelConfig, head_dim: int, itemsize: int, decode: bool) -> int:
     q = ROWS * head_dim * itemsize
-    kv = 2 * cfg.num_stages * cfg.block_kv * head_dim * itemsize + ROWS * cfg.block_kv * itemsize  # K, V, P
+    kv = 2 * cfg.num_stages * cfg.kv_tile * head_dim * itemsize + ROWS * cfg.kv_tile * itemsize  # K, V, P
     out = ROWS * head_dim * 4 + ROWS * 4 if decode else 0  # f32 partial output and lse, after the loop
     return q + max(kv, out)
 
@@ -73,18 +73,18 @@ def check_supported(*, num_heads: int, num_kv_heads: int, head_dim: int, page_si
 
 
 def choose_config(head_dim: int, page_size: int, decode: bool) -> KernelConfig:
-    """A two-stage ring of the largest KV block that fits in shared memory, else a one-stage ring.
+    """A two-stage ring of the largest KV tile that fits in shared memory, else a one-stage ring.
 
-    Sized for 2-byte K/V, the GPU's dtype; float32 in interpret mode runs the same blocks.
+    Sized for 2-byte K/V, the GPU's dtype; float32 in interpret mode runs the same tiles.
     """
     for num_stages in (2, 1):
-        for block_kv in (128, 64, 256):
-            if block_kv < page_size or block_kv % page_size:
+        for kv_tile in (128, 64, 256):
+            if kv_tile < page_size or kv_tile % page_size:
                 continue
-            cfg = KernelConfig(block_kv, num_stages)
+            cfg = KernelConfig(kv_tile, num_stages)
             if smem_bytes(cfg, head_dim, 2, decode) <= SMEM_BYTES:
                 return cfg
-    raise UnsupportedShapeError(f"no KV block of whole {page_size=} pages fits in shared memory for {head_dim=}")
+    raise UnsupportedShapeError(f"no KV tile of whole {page_size=} pages fits in shared memory for {head_dim=}")
 
 
 def tile_transforms(dtype):
@@ -95,18 +95,18 @@ def tile_transforms(dtype):
 def kv_scratch(cfg: KernelConfig, head_dim: int, page_size: int, dtype):
     """SMEM and barriers for the KV loop: K ring, V ring, P tile, one barrier per ring slot each."""
     t = tile_transforms(dtype)
-    pages_per_block = cfg.block_kv // page_size
+    pages_per_kv_tile = cfg.kv_tile // page_size
     return (
-        plgpu.SMEM((cfg.num_stages, cfg.block_kv, head_dim), dtype, transforms=t),  # K
-        plgpu.SMEM((cfg.num_stages, cfg.block_kv, head_dim), dtype, transforms=t),  # V
-        plgpu.SMEM((ROWS, cfg.block_kv), dtype, transforms=t),  # P
-        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=cfg.num_stages),
-        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=cfg.num_stages),
+        plgpu.SMEM((cfg.num_stages, cfg.kv_tile, head_dim), dtype, transforms=t),  # K
+        plgpu.SMEM((cfg.num_stages, cfg.kv_tile, head_dim), dtype, transforms=t),  # V
+        plgpu.SMEM((ROWS, cfg.kv_tile), dtype, transforms=t),  # P
+        plgpu.Barrier(num_arrivals=pages_per_kv_tile, num_barriers=cfg.num_stages),
+        plgpu.Barrier(num_arrivals=pages_per_kv_tile, num_barriers=cfg.num_stages),
     )
 
 
 def max_copies_in_flight(cfg: KernelConfig, page_size: int) -> int:
-    return 2 * cfg.num_stages * (cfg.block_kv // page_size) + 1  # K and V pages, plus Q
+    return 2 * cfg.num_stages * (cfg.kv_tile // page_size) + 1  # K and V pages, plus Q
 
 
 def layout(x, interpret):
@@ -118,36 +118,36 @@ def row_layout(x, interpret):
     return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1))
 
 
-def kv_loop(q_smem, k_ref, v_ref, scratch, *, layer, kv_head, page_of, first_block, num_blocks, mask_of,
+def kv_loop(q_smem, k_ref, v_ref, scratch, *, layer, kv_head, page_of, first_kv_tile, num_kv_tiles, mask_of,
             cfg: KernelConfig, page_size: int, scale: float, soft_cap: float, interpret):
-    """Online softmax of the Q tile in `q_smem` [ROWS, D] over KV blocks first_block + [0, num_blocks).
+    """Online softmax of the Q tile in `q_smem` [ROWS, D] over KV tiles first_kv_tile + [0, num_kv_tiles).
 
-    page_of(block, i): page id of the block's i-th page. mask_of(key_pos [ROWS, block_kv]): which
+    page_of(kv_tile, i): page id of the KV tile's i-th page. mask_of(key_pos [ROWS, cfg.kv_tile]): which
     (row, key) pairs attend. Returns (acc: tuple of [ROWS, <=128] f32 column chunks, m, l), with m
     and the exponentials in base 2.
     """
     k_smem, v_smem, p_smem, k_bar, v_bar = scratch
     head_dim, dtype = q_smem.shape[1], q_smem.dtype
-    bk, stages = cfg.block_kv, cfg.num_stages
-    pages_per_block = bk // page_size
+    tk, stages = cfg.kv_tile, cfg.num_stages
+    pages_per_kv_tile = tk // page_size
     chunk = min(head_dim, 128)  # PV in column chunks: fresh accumulators keep register use bounded
 
-    def issue(block, slot):
-        for i in range(pages_per_block):
-            page = page_of(first_block + block, i)
+    def issue(j, slot):  # the copies of KV tile first_kv_tile + j into ring slot `slot`
+        for i in range(pages_per_kv_tile):
+            page = page_of(first_kv_tile + j, i)
             rows = pl.ds(i * page_size, page_size)
             plgpu.copy_gmem_to_smem(k_ref.at[layer, page, :, kv_head, :], k_smem.at[slot, rows], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[layer, page, :, kv_head, :], v_smem.at[slot, rows], v_bar.at[slot])
 
     for s in range(stages - 1):
-        pl.when(s < num_blocks)(lambda s=s: issue(s, s))
+        pl.when(s < num_kv_tiles)(lambda s=s: issue(s, s))
 
-    col = layout(lax.broadcasted_iota(jnp.int32, (ROWS, bk), 1), interpret)
+    col = layout(lax.broadcasted_iota(jnp.int32, (ROWS, tk), 1), interpret)
 
     def body(j, carry):
         acc, m, l = carry
         ahead = j + stages - 1
-        pl.when(ahead < num_blocks)(lambda: issue(ahead, lax.rem(ahead, stages)))
+        pl.when(ahead < num_kv_tiles)(lambda: issue(ahead, lax.rem(ahead, stages)))
         slot = lax.rem(j, stages)
         plgpu.barrier_wait(k_bar.at[slot])
         if interpret:
@@ -157,12 +157,12 @@ def kv_loop(q_smem, k_ref, v_ref, scratch, *, layer, kv_head, page_of, first_blo
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
                 return acc_ref[...]
-            s = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
+            s = pl.run_scoped(qk, plgpu.ACC((ROWS, tk), jnp.float32))
         if soft_cap:
             s = (soft_cap * LOG2E) * jnp.tanh(s * (scale / soft_cap))
         else:
             s = s * (scale * LOG2E)
-        mask = mask_of((first_block + j) * bk + col)
+        mask = mask_of((first_kv_tile + j) * tk + col)
         s = jnp.where(mask, s, NEG_INF)
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp2(m - m_new)
@@ -185,7 +185,7 @@ def kv_loop(q_smem, k_ref, v_ref, scratch, *, layer, kv_head, page_of, first_blo
         row_layout(jnp.full((ROWS,), NEG_INF, jnp.float32), interpret),
         row_layout(jnp.zeros((ROWS,), jnp.float32), interpret),
     )
-    return lax.fori_loop(0, num_blocks, body, init)
+    return lax.fori_loop(0, num_kv_tiles, body, init)
 
 
 def row_iota(interpret, width):

@@ -2,7 +2,7 @@
 
 A decode step has one row per sequence, so a program per (sequence, KV head) would leave most of a
 132-SM GPU idle at small batch and long context. This kernel also splits each sequence's keys into
-`num_splits` ranges of whole KV blocks, one program each (grid: sequence x KV head x split); every
+`num_splits` ranges of whole KV tiles, one program each (grid: sequence x KV head x split); every
 program writes its partial output and log-sum-exp, and XLA merges the splits. The query rows of a
 program are the GQA group of one KV head (padded to 8), not a prefill tile, so a decode row never
 pays for 64 // group tokens of query tiling. `decode_attention_reference` is the plain-jnp statement.
@@ -20,47 +20,47 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import common
-from pallas_kernels._interpret import interpret_params
+from pallas_kernels.interpret import interpret_params
 from pallas_kernels.common import ROWS
 
 NUM_SMS = 132  # H100/H200 SXM
 _MIN_PROGRAMS = 2 * NUM_SMS  # split until about two waves of programs
 
 
-def default_num_splits(num_seqs: int, num_kv_heads: int, max_blocks: int) -> int:
-    """Splits per sequence: enough programs for ~2 waves on the GPU, never more than its KV blocks."""
-    return max(1, min(max_blocks, common.cdiv(_MIN_PROGRAMS, num_seqs * num_kv_heads)))
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_kv_tiles: int) -> int:
+    """Splits per sequence: enough programs for ~2 waves on the GPU, never more than its KV tiles."""
+    return max(1, min(max_kv_tiles, common.cdiv(_MIN_PROGRAMS, num_seqs * num_kv_heads)))
 
 
 def _kernel(kv_lens_ref, block_tables_ref, scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, q_bar,
-            *, cfg, page_size, blocks_per_split, scale, soft_cap, interpret):
+            *, cfg, page_size, kv_tiles_per_split, scale, soft_cap, interpret):
     seq, kv_head, split = lax.axis_index("seq"), lax.axis_index("kv_head"), lax.axis_index("split")
     layer, window = scalars_ref[0], scalars_ref[1]
-    kv_len = kv_lens_ref[seq]  # 0 for padded sequences: no blocks, zero output
+    kv_len = kv_lens_ref[seq]  # 0 for padded sequences: no KV tiles, zero output
     pages_per_seq = block_tables_ref.shape[1]
-    bk, group_rows = cfg.block_kv, q_ref.shape[2]
+    tk, group_rows = cfg.kv_tile, q_ref.shape[2]
     q_pos = kv_len - 1
     key_start = jnp.where(window > 0, jnp.maximum(q_pos - window + 1, 0), 0)
-    first_block = jnp.maximum(split * blocks_per_split, key_start // bk)
-    end_block = jnp.minimum((split + 1) * blocks_per_split, common.cdiv(kv_len, bk))
-    num_blocks = jnp.maximum(end_block - first_block, 0)
+    first_kv_tile = jnp.maximum(split * kv_tiles_per_split, key_start // tk)
+    end_kv_tile = jnp.minimum((split + 1) * kv_tiles_per_split, common.cdiv(kv_len, tk))
+    num_kv_tiles = jnp.maximum(end_kv_tile - first_kv_tile, 0)
 
     # Rows past the group stay unwritten: each row's softmax is its own, and they are never stored.
     # An empty split (most of them, for short contexts) loads nothing but still writes its (zero) part.
-    @pl.when(num_blocks > 0)
+    @pl.when(num_kv_tiles > 0)
     def _():
         plgpu.copy_gmem_to_smem(q_ref.at[seq, kv_head], q_smem.at[pl.ds(0, group_rows)], q_bar)
         plgpu.barrier_wait(q_bar)
 
-    def page_of(block, i):
-        return block_tables_ref[seq, jnp.minimum(block * (bk // page_size) + i, pages_per_seq - 1)]
+    def page_of(kv_tile, i):
+        return block_tables_ref[seq, jnp.minimum(kv_tile * (tk // page_size) + i, pages_per_seq - 1)]
 
     def mask_of(key_pos):
         return (key_pos < kv_len) & ((window <= 0) | (key_pos > q_pos - window))
 
     def loop(*scratch):
         return common.kv_loop(q_smem, k_ref, v_ref, scratch, layer=layer, kv_head=kv_head, page_of=page_of,
-                              first_block=first_block, num_blocks=num_blocks, mask_of=mask_of, cfg=cfg,
+                              first_kv_tile=first_kv_tile, num_kv_tiles=num_kv_tiles, mask_of=mask_of, cfg=cfg,
                               page_size=page_size, scale=scale, soft_cap=soft_cap, interpret=interpret)
 
     head_dim = q_smem.shape[1]
@@ -111,10 +111,10 @@ def decode_attention(
     group = num_heads // num_kv_heads
     group_rows = -(-group // 8) * 8  # TMA moves whole 8-row tiles of Q
     cfg = common.choose_config(head_dim, page_size, decode=True)
-    max_blocks = common.cdiv(pages_per_seq * page_size, cfg.block_kv)
+    max_kv_tiles = common.cdiv(pages_per_seq * page_size, cfg.kv_tile)
     if num_splits is None:
-        num_splits = default_num_splits(num_seqs, num_kv_heads, max_blocks)
-    blocks_per_split = common.cdiv(max_blocks, num_splits)
+        num_splits = default_num_splits(num_seqs, num_kv_heads, max_kv_tiles)
+    kv_tiles_per_split = common.cdiv(max_kv_tiles, num_splits)
 
     is_decode = (cu_q_lens[1:] - cu_q_lens[:-1]) == 1  # [S]
     rows = jnp.where(is_decode, cu_q_lens[:-1], num_tokens)
@@ -122,7 +122,7 @@ def decode_attention(
     q_seq = jnp.pad(q_seq, ((0, 0), (0, 0), (0, group_rows - group), (0, 0))).astype(dtype)
     scalars = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(sliding_window, jnp.int32)])
 
-    kernel = functools.partial(_kernel, cfg=cfg, page_size=page_size, blocks_per_split=blocks_per_split,
+    kernel = functools.partial(_kernel, cfg=cfg, page_size=page_size, kv_tiles_per_split=kv_tiles_per_split,
                                scale=scale, soft_cap=soft_cap, interpret=bool(interpret))
     entry = lambda *refs: pl.run_scoped(  # noqa: E731
         lambda *scratch: kernel(*refs, *scratch),

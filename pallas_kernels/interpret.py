@@ -1,4 +1,5 @@
-"""The one place that touches JAX's private GPU interpret mode (JAX 0.10.2).
+"""The one place that touches JAX's private GPU interpret mode (JAX 0.10.2): the kernels and their
+tests reach it through this module.
 
 `InterpretGPUParams` runs a Mosaic GPU kernel on the CPU, simulating shared memory, barriers and TMA
 copies, and can detect races. In 0.10.2 it lives in a private module; if a JAX upgrade moves it, this

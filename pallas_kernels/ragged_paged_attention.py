@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import common
-from pallas_kernels._interpret import interpret_params
+from pallas_kernels.interpret import interpret_params
 from pallas_kernels.common import ROWS
 
 
@@ -35,18 +35,18 @@ def _kernel(meta_ref, kv_lens_ref, block_tables_ref, scalars_ref, q_ref, k_ref, 
     seq, first_pos, num_q = meta_ref[0, tile], meta_ref[1, tile], meta_ref[2, tile]
     kv_len = kv_lens_ref[seq]
     pages_per_seq = block_tables_ref.shape[1]
-    bk = cfg.block_kv
+    tk = cfg.kv_tile
     key_end = jnp.minimum(first_pos + num_q, kv_len)
     key_start = jnp.where(window > 0, jnp.maximum(first_pos - window + 1, 0), 0)
-    first_block = key_start // bk
-    num_blocks = jnp.where(num_q > 0, common.cdiv(key_end, bk) - first_block, 0)
+    first_kv_tile = key_start // tk
+    num_kv_tiles = jnp.where(num_q > 0, common.cdiv(key_end, tk) - first_kv_tile, 0)
 
     plgpu.copy_gmem_to_smem(q_ref.at[tile, kv_head], q_smem, q_bar)
     plgpu.barrier_wait(q_bar)
-    q_pos = first_pos + common.row_iota(interpret, bk) // group  # [ROWS, bk]
+    q_pos = first_pos + common.row_iota(interpret, tk) // group  # [ROWS, tk]
 
-    def page_of(block, i):
-        return block_tables_ref[seq, jnp.minimum(block * (bk // page_size) + i, pages_per_seq - 1)]
+    def page_of(kv_tile, i):
+        return block_tables_ref[seq, jnp.minimum(kv_tile * (tk // page_size) + i, pages_per_seq - 1)]
 
     def mask_of(key_pos):
         mask = (key_pos <= q_pos) & (key_pos < kv_len)
@@ -54,7 +54,7 @@ def _kernel(meta_ref, kv_lens_ref, block_tables_ref, scalars_ref, q_ref, k_ref, 
 
     def loop(*scratch):
         return common.kv_loop(q_smem, k_ref, v_ref, scratch, layer=layer, kv_head=kv_head, page_of=page_of,
-                              first_block=first_block, num_blocks=num_blocks, mask_of=mask_of, cfg=cfg,
+                              first_kv_tile=first_kv_tile, num_kv_tiles=num_kv_tiles, mask_of=mask_of, cfg=cfg,
                               page_size=page_size, scale=scale, soft_cap=soft_cap, interpret=interpret)
 
     head_dim = q_smem.shape[1]

@@ -1,9 +1,9 @@
 """The module graph's two rules, read from the source with `ast` (nothing is imported):
 
 - No module uses another module's private (`_name`) name: not `from X import _name`, not `X._name`
-  after `import X`. A private module (`pallas_kernels/_interpret.py`) is private to its package: its
+  after `import X`. A private module (`_name.py`) is private to its package: its
   siblings may import it, nothing outside. Only project modules are checked: JAX's own private
-  `jax._src` is allowed, in the wrappers that need it (`pallas_kernels/_interpret.py`, `lowering.py`).
+  `jax._src` is allowed, in the wrappers that need it (`pallas_kernels/interpret.py`, `lowering.py`).
 - The import graph among project modules has no cycle, counting every import: at module level,
   inside functions (the hidden kind) and under `TYPE_CHECKING`. A package's `__init__` is a node
   when it is named (`from jaxserve import LLM`), not for every import of a submodule.

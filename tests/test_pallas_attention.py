@@ -2,8 +2,8 @@
 
 Every kernel runs under JAX's GPU interpreter on the CPU (shared memory, barriers, TMA copies
 simulated), on ragged batches whose sequences cover the edge lengths 1, page_size-1, page_size,
-page_size+1 and a long one spanning several KV blocks (so the two-stage copy ring and the online
-softmax across blocks run), over shuffled pages in a pool whose every unowned slot holds large
+page_size+1 and a long one spanning several KV tiles (so the two-stage copy ring and the online
+softmax across tiles run), over shuffled pages in a pool whose every unowned slot holds large
 garbage: reading a wrong slot unmasked shows up as a large error. The default run covers head dims,
 page sizes, GQA ratios, sliding window, soft-cap and both dtypes with a covering set of cases (each
 dimension's values all appear); `pytest -m slow` runs the full product, which a plain `pytest`
@@ -31,7 +31,7 @@ import pytest
 
 import pallas_kernels as pk
 from jaxserve.attention import ragged_paged_attention as xla_ragged_paged_attention
-from pallas_kernels import _interpret
+from pallas_kernels.interpret import races_found
 from paged_helpers import SeqChunk, assign_pages, make_batch
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -64,7 +64,7 @@ def ragged_lengths(page_size: int) -> list[tuple[int, int]]:
         (page_size, 0),  # prefill of exactly one page
         (page_size + 1, 0),
         (page_size - 1, 3),  # a chunk after a cached prefix, not page aligned
-        (3, 150),  # a long sequence: > 1 KV block of 128, and past the sliding window
+        (3, 150),  # a long sequence: > 1 KV tile of 128, and past the sliding window
     ]
 
 
@@ -166,7 +166,7 @@ FEATURES = [(0, 0.0), (19, 0.0), (0, 30.0), (19, 30.0)]  # (sliding_window, soft
 def test_ragged_kernel_matches_reference(head_dim, page_size, group, window, soft_cap, dtype):
     """Mixed decode rows and prefill chunks at the page-edge lengths, over shuffled garbage-filled pages:
     guards the tiling into (token, head) rows, the causal/window masks, soft-cap, the page walk and the
-    cross-block online softmax."""
+    cross-tile online softmax."""
     run_ragged(head_dim, page_size, group, window, soft_cap, dtype)
 
 
@@ -201,11 +201,11 @@ def test_no_races_detected(kernel):
         run_ragged(64, 16, 4, 19, 0.0, "float32", detect_races=True)
     else:
         run_decode(64, 16, 4, 0, 0.0, "float32", num_splits=2, detect_races=True)
-    assert not _interpret.races_found()
+    assert not races_found()
 
 
 def test_race_detector_catches_a_missing_barrier_wait(monkeypatch):
-    """The race check above can fail: with the wait on each K block's barrier skipped, the interpreter
+    """The race check above can fail: with the wait on each K tile's barrier skipped, the interpreter
     reports the read of K in shared memory racing with the TMA copy that fills it."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -231,7 +231,7 @@ def test_race_detector_catches_a_missing_barrier_wait(monkeypatch):
     except AssertionError:
         pass  # the numbers may come out right or wrong; the race report is what is checked
     assert skipped, "the mutation did not apply"
-    assert _interpret.races_found()
+    assert races_found()
 
 
 def test_reference_matches_the_xla_foundation_path():

@@ -30,8 +30,8 @@ def llama64_dir(tmp_path_factory):
     """A tiny random llama with head_dim 64 and 6 query heads over 2 KV heads, saved as an HF directory."""
     directory = tmp_path_factory.mktemp("llama_head_dim_64")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**{**tiny_models._COMMON, "hidden_size": 96, "num_attention_heads": 6, "head_dim": 64},
-                                      tie_word_embeddings=True, rope_theta=10000.0)
+    shape = {**tiny_models.COMMON_CONFIG, "hidden_size": 96, "num_attention_heads": 6, "head_dim": 64}
+    config = transformers.LlamaConfig(**shape, tie_word_embeddings=True, rope_theta=10000.0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # larger random weights than the default init: less repetitive greedy text
         for param in model.parameters():
@@ -59,7 +59,7 @@ def _generate(model_dir, backend, dtype="float32"):
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the compiled kernels are checked instead (next test)")
 def test_pallas_interpret_generates_the_same_greedy_tokens_as_xla(llama64_dir):
     """Through the engine, with chunked prefill (a 40-token prompt, a 32-token budget) and prefix caching
-    on, the Pallas kernels give XLA's greedy tokens and logprobs: guards the kernels inside the layer scan,
+    on, the Pallas kernels give XLA's greedy tokens and logprobs: guards the kernels in every layer of the model,
     the decode/prefill dispatch, and the metadata the engine builds for them."""
     xla, xla_stats = _generate(llama64_dir, "xla")
     pallas, pallas_stats = _generate(llama64_dir, "pallas-interpret")

@@ -64,7 +64,7 @@ def lower_kernel(kernel, head_dim, page_size, group, soft_cap, num_kv_heads=2, n
 
 
 def test_the_selectable_configs_are_the_expected_ones():
-    """Page sizes 8..256 with head dims 64/128/256; only (256, 256) has no KV block that fits in SMEM."""
+    """Page sizes 8..256 with head dims 64/128/256; only (256, 256) has no KV tile that fits in SMEM."""
     expected = set(itertools.product(pk.SUPPORTED_HEAD_DIMS, PAGE_SIZES)) - {(256, 256)}
     assert set(selectable_configs()) == expected
 

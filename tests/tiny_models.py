@@ -23,7 +23,7 @@ CHATML = (
 
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "llama_untied")
 
-_COMMON = dict(
+COMMON_CONFIG = dict(  # what every family shares; tests that build their own configs start from it
     vocab_size=VOCAB_SIZE,
     hidden_size=64,
     intermediate_size=128,
@@ -38,20 +38,20 @@ _COMMON = dict(
 
 def hf_config(family: str):
     if family in ("llama", "llama_untied"):
-        return transformers.LlamaConfig(**_COMMON, tie_word_embeddings=family == "llama", rope_theta=10000.0)
+        return transformers.LlamaConfig(**COMMON_CONFIG, tie_word_embeddings=family == "llama", rope_theta=10000.0)
     if family == "llama3":
         rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-        return transformers.LlamaConfig(**_COMMON, tie_word_embeddings=True, rope_parameters=rope)
+        return transformers.LlamaConfig(**COMMON_CONFIG, tie_word_embeddings=True, rope_parameters=rope)
     if family == "mistral":
-        return transformers.MistralConfig(**_COMMON, sliding_window=24, tie_word_embeddings=False)
+        return transformers.MistralConfig(**COMMON_CONFIG, sliding_window=24, tie_word_embeddings=False)
     if family == "qwen2":
-        return transformers.Qwen2Config(**_COMMON, tie_word_embeddings=True)
+        return transformers.Qwen2Config(**COMMON_CONFIG, tie_word_embeddings=True)
     if family == "qwen3":
-        return transformers.Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=True)
+        return transformers.Qwen3Config(**COMMON_CONFIG, head_dim=32, tie_word_embeddings=True)
     if family == "gemma3":
         return transformers.Gemma3TextConfig(
-            **_COMMON, head_dim=16, sliding_window=20, layer_types=["sliding_attention", "full_attention"],
+            **COMMON_CONFIG, head_dim=16, sliding_window=20, layer_types=["sliding_attention", "full_attention"],
             query_pre_attn_scalar=16, rope_parameters={
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                 "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
