@@ -7,8 +7,8 @@ per-family differences in weight names live in `weights/`.
 The params pytree as loaded (layers stacked, matrices input-major) is declared in `models/params.py`.
 `forward` takes them as `serving_params` lays them out: one dict per layer, q/k/v and gate/up each
 fused into one matrix. Slicing a layer out of a stacked array inside the compiled step copies it
-(XLA:CPU copied every weight of every layer on every step, 40 ms of a 145 ms decode step at batch
-32), and one wide matmul replaces two or three narrow ones.
+(XLA:CPU copied every weight of every layer on every step: benchmarks/results/cpu_kernels_history.md),
+and one wide matmul replaces two or three narrow ones.
 """
 
 from __future__ import annotations
