@@ -14,8 +14,9 @@ sequences are flattened onto one token axis; sequence s owns rows `cu_q_lens[s]:
 its keys are positions `0:kv_lens[s]` (the cached prefix plus this chunk, already written), read
 through `block_tables[s]`. Padded sequences have q_len 0 and kv_len 0. Decode rows are q_len 1.
 
-This module owns the attention math and the K/V write; it does not decide page assignment. The Pallas
-GPU kernels in `pallas_kernels/` implement the same contract; `attention_backends.py` picks one.
+This module owns the attention math and the K/V write; it does not decide page assignment. The C++
+kernel of `cpu_ffi.py` and the Pallas GPU kernels in `pallas_kernels/` implement the same contract;
+`attention_backends.py` picks one and is the only module that calls them.
 """
 
 from __future__ import annotations

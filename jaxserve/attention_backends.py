@@ -11,8 +11,10 @@ and which matmul (`resolve_matmul_backend`).
   auto              pallas on a Hopper GPU when the model's shapes fit the kernels, cpu on a CPU when the
                     kernel builds and the pages are float32, else xla; the reason for falling back is logged.
 
-An explicit pallas / pallas-interpret that cannot run the model is refused here, with the reason, before
-anything is compiled, so no request ever meets an unsupported shape. The model calls `paged_attention`.
+An explicit cpu / pallas / pallas-interpret that cannot run the model is refused here, with the reason,
+before anything is compiled, so no request ever meets an unsupported shape. The model calls
+`paged_attention`, the only place that picks an implementation: `attention.py` holds the XLA path and
+the reference, and knows nothing of the kernels.
 """
 
 from __future__ import annotations
