@@ -102,10 +102,6 @@ class SamplingParams:
             self.top_k = 0
 
     @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
     def uses_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
@@ -166,7 +162,7 @@ def _bisect(lo, hi, holds):
 def _truncation_threshold(scaled, probs, top_k, top_p):
     """Per row, the logit threshold of top-k, then top-p within the renormalized top-k set.
 
-    Bisections over logit values instead of a full-vocabulary sort (which is ~100x slower on CPU).
+    Bisections over logit values instead of a full-vocabulary sort, which XLA:CPU runs far slower.
     Rows with top_k = 0 and top_p = 1 get -inf (keep all).
     """
     finite = jnp.isfinite(scaled)
@@ -182,54 +178,54 @@ def _truncation_threshold(scaled, probs, top_k, top_p):
     return jnp.where(off, -jnp.inf, threshold)
 
 
-_VOCAB_BLOCK = 128
+_VOCAB_CHUNK = 128
 
 
-def _blocks(x, fill):
-    """x [S, n] as [S, ceil(n / 128), 128], the last block filled out with `fill`."""
-    pad = -x.shape[1] % _VOCAB_BLOCK
+def _chunks(x, fill):
+    """x [S, n] as [S, ceil(n / 128), 128], the last chunk filled out with `fill`."""
+    pad = -x.shape[1] % _VOCAB_CHUNK
     if pad:
         x = jnp.pad(x, ((0, 0), (0, pad)), constant_values=fill)
-    return x.reshape(x.shape[0], -1, _VOCAB_BLOCK)
+    return x.reshape(x.shape[0], -1, _VOCAB_CHUNK)
 
 
-def _argmax(x):
+def argmax(x):
     """First index of the row maximum of x [S, vocab].
 
     XLA:CPU's argmax, and a masked min of the indices over the whole row, are several times slower than
-    a max; so the row is cut into blocks of 128: a max per block, then the first index in the first block
+    a max; so the row is cut into chunks of 128: a max per chunk, then the first index in the first chunk
     that holds the row's maximum. A row without one (NaN) gives the last index.
     """
     vocab = x.shape[1]
-    blocks = _blocks(x, -jnp.inf)
-    block_max = blocks.max(axis=-1)  # [S, num_blocks]
-    row_max = block_max.max(axis=-1, keepdims=True)
-    num_blocks = block_max.shape[1]
-    first = jnp.min(jnp.where(block_max == row_max, jnp.arange(num_blocks), num_blocks - 1), axis=-1)
-    block = jnp.take_along_axis(blocks, first[:, None, None], axis=1)[:, 0]  # [S, 128]
-    within = jnp.min(jnp.where(block == row_max, jnp.arange(_VOCAB_BLOCK), _VOCAB_BLOCK - 1), axis=-1)
-    return jnp.minimum(first * _VOCAB_BLOCK + within, vocab - 1).astype(jnp.int32)
+    chunks = _chunks(x, -jnp.inf)
+    chunk_max = chunks.max(axis=-1)  # [S, num_chunks]
+    row_max = chunk_max.max(axis=-1, keepdims=True)
+    num_chunks = chunk_max.shape[1]
+    first = jnp.min(jnp.where(chunk_max == row_max, jnp.arange(num_chunks), num_chunks - 1), axis=-1)
+    chunk = jnp.take_along_axis(chunks, first[:, None, None], axis=1)[:, 0]  # [S, 128]
+    within = jnp.min(jnp.where(chunk == row_max, jnp.arange(_VOCAB_CHUNK), _VOCAB_CHUNK - 1), axis=-1)
+    return jnp.minimum(first * _VOCAB_CHUNK + within, vocab - 1).astype(jnp.int32)
 
 
-def _inverse_cdf(weights, u):
+def inverse_cdf_sample(weights, u):
     """For weights [S, vocab] (>= 0, some > 0 in each row) and u [S] in [0, 1): the index i with
     cumsum[i - 1] <= u * total < cumsum[i], a draw from weights / total.
 
-    Blocked like _argmax: the running sum of block sums picks the block, the running sum inside it the
-    index. Rounding can put u * total just past either sum; the index is then clamped to the block's
-    (and the block to the row's) first or last nonzero weight, so a zero weight is never drawn.
+    Chunked like argmax: the running sum of chunk sums picks the chunk, the running sum inside it the
+    index. Rounding can put u * total just past either sum; the index is then clamped to the chunk's
+    (and the chunk to the row's) first or last nonzero weight, so a zero weight is never drawn.
     """
-    blocks = _blocks(weights, 0.0)
-    block_sums = blocks.sum(axis=-1)  # [S, num_blocks]
-    block_ends = jnp.cumsum(block_sums, axis=-1)
-    target = u[:, None] * block_ends[:, -1:]
-    first_block, last_block = _nonzero_span(block_sums)
-    block = jnp.clip((block_ends <= target).sum(axis=-1), first_block, last_block)
-    inside = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]  # [S, block]
-    start = jnp.take_along_axis(block_ends - block_sums, block[:, None], axis=1)
+    chunks = _chunks(weights, 0.0)
+    chunk_sums = chunks.sum(axis=-1)  # [S, num_chunks]
+    chunk_ends = jnp.cumsum(chunk_sums, axis=-1)
+    target = u[:, None] * chunk_ends[:, -1:]
+    first_chunk, last_chunk = _nonzero_span(chunk_sums)
+    chunk = jnp.clip((chunk_ends <= target).sum(axis=-1), first_chunk, last_chunk)
+    inside = jnp.take_along_axis(chunks, chunk[:, None, None], axis=1)[:, 0]  # [S, 128]
+    start = jnp.take_along_axis(chunk_ends - chunk_sums, chunk[:, None], axis=1)
     first, last = _nonzero_span(inside)
     within = jnp.clip((start + jnp.cumsum(inside, axis=-1) <= target).sum(axis=-1), first, last)
-    return (block * _VOCAB_BLOCK + within).astype(jnp.int32)
+    return (chunk * _VOCAB_CHUNK + within).astype(jnp.int32)
 
 
 def _nonzero_span(x):
@@ -241,7 +237,7 @@ def _nonzero_span(x):
 def _sample_random(processed, t: SamplingTensors):
     """Temperature, min-p, top-k and top-p, then one uniform draw per row, inverted through the kept
     probabilities' running sum: [S] token ids. (A Gumbel-max draw needs a random number per vocabulary
-    entry: about 15 ms of a 32-row step on a 2-core CPU.)"""
+    entry, which costs far more on a CPU.)"""
     num_seqs = processed.shape[0]
     scaled = processed / jnp.maximum(t.temperature, 1e-6)[:, None]
     probs = jax.nn.softmax(scaled, axis=-1)
@@ -257,7 +253,7 @@ def _sample_random(processed, t: SamplingTensors):
     def uniform(seed, position):
         return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), position), (), jnp.float32)
 
-    return _inverse_cdf(probs, jax.vmap(uniform)(t.seeds, t.positions))
+    return inverse_cdf_sample(probs, jax.vmap(uniform)(t.seeds, t.positions))
 
 
 def sample(logits, t: SamplingTensors) -> SamplerOutput:
@@ -278,15 +274,15 @@ def sample(logits, t: SamplingTensors) -> SamplerOutput:
         processed = jax.lax.cond(
             uses_bias, lambda p: p.at[rows, t.bias_ids].add(t.bias_values, mode="drop"), lambda p: p, processed,
         )
-        greedy = _argmax(processed)
+        greedy = argmax(processed)
         return jax.lax.cond(
             uses_random, lambda: jnp.where(t.temperature > 0, _sample_random(processed, t), greedy), lambda: greedy,
         )
 
     # The branches return token ids only: a branch that handed the logits through unchanged would copy
-    # them (6 MB at 32 rows, about 0.6 ms on a 2-core CPU for each such cond).
+    # them, [S, vocab] float32, in every step that takes it.
     tokens = jax.lax.cond(uses_penalties | uses_bias | uses_random, processed_tokens,
-                          lambda: _argmax(logits)).astype(jnp.int32)
+                          lambda: argmax(logits)).astype(jnp.int32)
 
     def logprobs():
         log_normalizer = jax.nn.logsumexp(logits, axis=-1)

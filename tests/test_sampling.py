@@ -22,8 +22,8 @@ import transformers
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.model_runner import ModelRunner
-from jaxserve.sampling import (MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingTensors, _argmax, _inverse_cdf,
-                               apply_penalties, sample)
+from jaxserve.sampling import (MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingTensors, apply_penalties, argmax,
+                               inverse_cdf_sample, sample)
 
 VOCAB = 32  # direct tests; >= MAX_LOGPROBS, since the logprobs branch is traced for every call
 HISTORY_LEN = 128  # the model runner sizes `history` as max_model_len
@@ -196,27 +196,27 @@ def test_row_results_do_not_depend_on_the_batch():
 
 
 @pytest.mark.parametrize("vocab", [1, 127, 128, 300, 1000, 49152])
-def test_blocked_argmax_is_the_first_index_of_the_maximum(vocab):
-    """The sampler's greedy argmax (a max per block of 128, then the first index in the first block with
-    the row max) against numpy's argmax: ties inside a block and across blocks, the maximum in the padded
-    last block, rows of -inf; a NaN row still gives an index inside the vocabulary."""
+def test_chunked_argmax_is_the_first_index_of_the_maximum(vocab):
+    """The sampler's greedy argmax (a max per chunk of 128, then the first index in the first chunk with
+    the row max) against numpy's argmax: ties inside a chunk and across chunks, the maximum in the padded
+    last chunk, rows of -inf; a NaN row still gives an index inside the vocabulary."""
     rng = np.random.default_rng(vocab)
     x = rng.integers(-3, 4, (12, vocab)).astype(np.float32)  # few distinct values: many ties
     x[1] = rng.standard_normal(vocab)
-    x[2, -1] = 100.0  # the maximum at the very end (the padded block when vocab % 128 != 0)
+    x[2, -1] = 100.0  # the maximum at the very end (the padded chunk when vocab % 128 != 0)
     x[3] = -np.inf
     x[4, [0, vocab - 1]] = 50.0  # a tie between the first and the last index
     x[5, vocab // 2:] = 60.0  # a run of ties starting mid-row
-    np.testing.assert_array_equal(np.asarray(jax.jit(_argmax)(x)), np.argmax(x, axis=-1))
+    np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(x)), np.argmax(x, axis=-1))
     x[6] = np.nan
-    assert 0 <= int(jax.jit(_argmax)(x)[6]) < vocab
+    assert 0 <= int(jax.jit(argmax)(x)[6]) < vocab
 
 
 @pytest.mark.parametrize("vocab", [1, 127, 128, 300, 49152])
 def test_inverse_cdf_draw_matches_numpy_and_never_draws_a_zero_weight(vocab):
-    """The random sampler's draw (a blocked running sum, one uniform per row) against numpy's float64
+    """The random sampler's draw (a chunked running sum, one uniform per row) against numpy's float64
     searchsorted, for u away from a boundary; and at the edges (u = 0, u just below 1, zero weights
-    before, between and after the only positive ones, across a block boundary; u = 1, past the end) the
+    before, between and after the only positive ones, across a chunk boundary; u = 1, past the end) the
     drawn weight is positive."""
     rng = np.random.default_rng(vocab)
     rows = 64
@@ -228,11 +228,11 @@ def test_inverse_cdf_draw_matches_numpy_and_never_draws_a_zero_weight(vocab):
     w[2, [0, vocab // 2]] = [1e-30, 1.0]  # a negligible one and a dominant one
     if vocab > 130:
         w[3] = 0.0
-        w[3, [127, 128]] = 0.5  # either side of a block boundary
+        w[3, [127, 128]] = 0.5  # either side of a chunk boundary
     u = rng.random(rows).astype(np.float32)
     u[:8] = [0.0, np.nextafter(np.float32(1), np.float32(0)), 0.0, 0.99999, 0.5, 0.0, 1e-7, 0.999]
     u[8:10] = 1.0  # outside [0, 1): as if rounding had put u * total at the end
-    drawn = np.asarray(jax.jit(_inverse_cdf)(w, u))
+    drawn = np.asarray(jax.jit(inverse_cdf_sample)(w, u))
     assert np.all(w[np.arange(rows), drawn] > 0), "a zero weight was drawn"
     cum = np.cumsum(w.astype(np.float64), axis=-1)
     target = u * cum[:, -1]
