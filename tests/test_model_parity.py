@@ -31,7 +31,7 @@ from jaxserve.weights import LoadedModel, load_model
 from paged_helpers import SeqChunk, assign_pages, make_batch
 
 ATOL = 1e-4  # max |Δlogit| against Hugging Face
-BLOCK_ATOL = 1e-5  # max |Δlogit| between tile sizes (only the summation order differs)
+TILE_ATOL = 1e-5  # max |Δlogit| between tile sizes (only the summation order differs)
 PAGE_SIZE = 8
 NUM_PAGES = 32
 PAGES_PER_SEQ = 8  # 64 tokens per sequence at most
@@ -154,14 +154,14 @@ def test_chunked_prefill_matches_one_shot_prefill(tiny, family):
                                   num_tokens=BATCH_TOKENS, num_seqs=BATCH_SEQS)
         chunk_logits.append(logits)
     chunked = np.concatenate(chunk_logits)
-    np.testing.assert_allclose(chunked, prefill(model, prompt, seed=3), atol=BLOCK_ATOL, rtol=0)
+    np.testing.assert_allclose(chunked, prefill(model, prompt, seed=3), atol=TILE_ATOL, rtol=0)
     assert_matches_hf(model, chunked, model.hf_logits(prompt), "chunked prefill")
 
 
 def run_ragged_batches(model: TinyModel, *, cfg=None, q_tile=16, kv_tile=128, packed=False):
     """Two calls over 5 sequences: first fresh prompts of 1, 7, 8, 9 and 30 tokens in one batch, then
     a mix of decode rows and prefill chunks on top of those caches, the longest ending at position 32
-    (a key block boundary for kv_tile 8 and 16). Returns per sequence its logits rows from both
+    (a key tile boundary for kv_tile 8 and 16). Returns per sequence its logits rows from both
     calls [len, vocab], the sequences, their block tables, and the initial and final caches."""
     first_lens, second_lens = [1, 7, 8, 9, 30], [1, 1, 3, 9, 3]
     seqs = [random_tokens(a + b, seed=10 + i) for i, (a, b) in enumerate(zip(first_lens, second_lens))]
@@ -196,7 +196,7 @@ def test_ragged_batch_matches_hf_per_sequence(tiny, family):
 @pytest.mark.parametrize("family", tiny_models.FAMILIES)
 def test_weights_packed_for_the_cpu_matmul_match_hf(tiny, family):
     """The ragged batches with every weight matrix packed for the C++ matmul (its widths, 64 to 320,
-    are not multiples of its 48-column blocks, so the padded last block is exercised; tied LM heads
+    are not multiples of its 48-column panels, so the padded last panel is exercised; tied LM heads
     also serve the embedding lookup) give each sequence's HF logits."""
     model = tiny(family)
     logits, seqs, _, _, _ = run_ragged_batches(model, packed=True)
@@ -207,15 +207,15 @@ def test_weights_packed_for_the_cpu_matmul_match_hf(tiny, family):
 @pytest.mark.parametrize("q_tile, kv_tile", [(1, 8), (4, 16)])
 @pytest.mark.parametrize("family", ["mistral", "qwen3", "gemma3"])
 def test_query_and_key_block_sizes_do_not_change_results(tiny, family, q_tile, kv_tile):
-    """The ragged batches give the same logits for every query tile / key block size (against the
-    default 16 / 128): guards the tiling, the online softmax across key blocks, and the first key
-    block of a sliding window. The families cover what attention sees: sliding windows (mistral,
+    """The ragged batches give the same logits for every query tile / key tile size (against the
+    default 16 / 128): guards the tiling, the online softmax across key tiles, and the first key
+    tile of a sliding window. The families cover what attention sees: sliding windows (mistral,
     gemma3's mixed layers), head_dim 32 (qwen3) and 16, a non-default query scale (gemma3)."""
     model = tiny(family)
     reference, seqs, _, _, _ = run_ragged_batches(model)
     logits, _, _, _, _ = run_ragged_batches(model, q_tile=q_tile, kv_tile=kv_tile)
     for i, (actual, expected, seq) in enumerate(zip(logits, reference, seqs)):
-        np.testing.assert_allclose(actual, expected, atol=BLOCK_ATOL, rtol=0, err_msg=f"sequence {i}")
+        np.testing.assert_allclose(actual, expected, atol=TILE_ATOL, rtol=0, err_msg=f"sequence {i}")
         assert_matches_hf(model, actual, model.hf_logits(seq), f"{q_tile=} {kv_tile=} sequence {i}")
 
 
