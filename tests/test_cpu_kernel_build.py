@@ -29,9 +29,10 @@ def test_the_cache_key_changes_with_everything_that_decides_the_machine_code(fie
 
 
 def test_the_cache_key_keeps_its_inputs_apart():
-    """A source's text moving into the compiler's identity (or any such shift between inputs) is
-    another key: the inputs are not simply concatenated."""
-    shifted = {**BASE, "sources": ["int f();", BASE["compiler"]], "compiler": ""}
+    """Inputs shifted by one place (the compiler read as a second source, the first flag as the
+    compiler) are another key: joined with a separator they would be the same text."""
+    shifted = {**BASE, "sources": [*BASE["sources"], BASE["compiler"]], "compiler": BASE["flags"][0],
+               "flags": BASE["flags"][1:]}
     assert cpu_ffi.cache_key(**shifted) != cpu_ffi.cache_key(**BASE)
 
 
