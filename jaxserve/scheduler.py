@@ -178,6 +178,13 @@ class Scheduler:
                                                            request.page_hashes)
         self.pool.cache_full_pages(request.block_table[:full], request.page_hashes[:full])
 
+    def preempt(self, request: Request) -> None:
+        """Sends a running request back to the waiting queue, as running out of pages does: its pages
+        are freed (they stay cached) and it is recomputed when admitted again. Call between steps."""
+        if request not in self.running:
+            raise ValueError(f"request {request.request_id!r} is not running ({request.status.value})")
+        self._preempt(request)
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.pool.free(request.block_table)
