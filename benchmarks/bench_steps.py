@@ -84,7 +84,7 @@ class JaxserveBench:
 
     def cases(self, prompts: np.ndarray) -> Cases:
         """prompts [B, P] int32. Prefill must run before decode (decode feeds on its sampled ids)."""
-        from jaxserve.model_runner import ScheduledSeq
+        from jaxserve.step_inputs import ScheduledSeq
         from jaxserve.sampling import SamplingParams
 
         greedy = SamplingParams(temperature=0.0)

@@ -83,9 +83,11 @@ def cmd_check_lowering(args: argparse.Namespace) -> None:
     import jax
 
     from jaxserve.check_lowering import check_lowering, format_results
+    from jaxserve.tensor_parallel import request_cpu_devices
     from jaxserve.weights import load_model
 
     engine_cfg = engine_config_from_args(args)
+    request_cpu_devices(engine_cfg.tensor_parallel_size)  # the mesh's devices, before JAX starts
     loaded = load_model(args.model, engine_cfg.dtype)  # for its config; only the params' shapes are used
     model_cfg = loaded.config
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), loaded.params)

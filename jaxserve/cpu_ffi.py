@@ -197,13 +197,19 @@ class PackedWeight:
     n: int
 
     @classmethod
-    def pack(cls, w) -> PackedWeight:
-        """From w [K, n]; a numpy w is packed on the host, a jax one (or shapes) by XLA."""
+    def pack(cls, w, num_shards: int = 1) -> PackedWeight:
+        """From w [K, n]; a numpy w is packed on the host, a jax one (or shapes) by XLA.
+
+        num_shards: w's columns are cut into that many equal blocks, each packed on its own and the
+        panels concatenated, so that splitting `data` by panels gives each device its block's
+        PackedWeight (whose n, the one this returns, is a block's width)."""
         xp = np if isinstance(w, np.ndarray) else jnp
-        k, n = w.shape
+        k, n = w.shape[0], w.shape[1] // num_shards
         panels = -(-n // PANEL_WIDTH)
-        padded = xp.pad(w, ((0, 0), (0, panels * PANEL_WIDTH - n)))
-        packed = padded.reshape(k, panels, PANEL_WIDTH).transpose(1, 0, 2)
+        blocks = w.reshape(k, num_shards, n).transpose(1, 0, 2)  # [shards, K, n]
+        padded = xp.pad(blocks, ((0, 0), (0, 0), (0, panels * PANEL_WIDTH - n)))
+        packed = padded.reshape(num_shards, k, panels, PANEL_WIDTH).transpose(0, 2, 1, 3)
+        packed = packed.reshape(num_shards * panels, k, PANEL_WIDTH)
         return cls(np.ascontiguousarray(packed) if xp is np else packed, n)
 
     def columns(self, ids):

@@ -16,10 +16,13 @@ import threading
 import time
 
 from jaxserve.compilation import enable_persistent_cache, forbid_compilation, num_compilations
+from jaxserve import multihost
 from jaxserve.engine_config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.errors import InvalidParameter
-from jaxserve.model_runner import ModelRunner, ScheduledSeq
+from jaxserve.model_runner import ModelRunner
+from jaxserve.step_inputs import ScheduledSeq
+from jaxserve.tensor_parallel import request_cpu_devices
 from jaxserve.page_pool import PagePool
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling import SamplingParams
@@ -37,6 +40,7 @@ class LLMEngine:
         self.model_cfg = model.config
         self.tokenizer = model.tokenizer
         self.runner = ModelRunner(self.model_cfg, cfg, model.params)
+        self.leader: multihost.Leader | None = None  # set by from_config on a multi-host group's rank 0
         self.model = dataclasses.replace(model, params=None)  # the runner holds them, in its own layout
         if self.runner.max_concurrent_tokens < cfg.max_model_len:
             raise ValueError(
@@ -63,17 +67,31 @@ class LLMEngine:
         both the offline `LLM` and the server start from. Returns the engine and its warm-up summary
         (None without warm-up). Progress and the engine's shape are printed to stderr."""
         enable_persistent_cache()
+        multihost.initialize(cfg)  # before any other JAX work; nothing for one node
+        request_cpu_devices(cfg.tensor_parallel_size // cfg.nnodes)
+        if cfg.node_rank > 0:  # a follower serves the leader's steps until the leader stops, then exits
+            multihost.run_follower(model, cfg, show_progress)
+            raise SystemExit(0)
         engine = cls(load_model(model, cfg.dtype), cfg)
         runner = engine.runner
         print(f"jaxserve: {engine.model_cfg.architecture} from {engine.model.source}; KV cache {runner.num_pages - 1} "
               f"pages x {engine.cfg.block_size} tokens = {runner.max_concurrent_tokens} max concurrent tokens "
               f"({runner.kv_cache_bytes / 2**20:.0f} MiB)", file=sys.stderr)
+        if runner.mesh is not None:
+            print(f"jaxserve: tensor parallel over {runner.mesh.size} {runner.mesh.devices.flat[0].platform} devices "
+                  f"({runner.parallel.describe()}); per device: weights "
+                  f"{runner.device_weight_bytes / 2**20:.1f} MiB, KV cache {runner.device_kv_cache_bytes / 2**20:.1f} MiB",
+                  file=sys.stderr)
         if not warmup:
             return engine, None
         summary = engine.warmup(show_progress)
         print(f"jaxserve: {summary['num_executables']} executables ready in {summary['seconds']:.1f} s, "
               f"{summary['num_cache_hits']} from the compilation cache (prefill token buckets "
               f"{summary['prefill_buckets']}, decode batch buckets {summary['decode_buckets']})", file=sys.stderr)
+        if cfg.nnodes > 1:
+            print(f"jaxserve: waiting for {cfg.nnodes - 1} follower(s)", file=sys.stderr, flush=True)
+            engine.leader = multihost.Leader(cfg)
+            engine.runner.on_launch = engine.leader.send_step
         return engine, summary
 
     def warmup(self, show_progress: bool = True) -> dict:
@@ -221,8 +239,9 @@ class LLMEngine:
             self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
 
     def get_stats(self) -> dict:
-        """Counters: prompt tokens computed vs found in the prefix cache, preemptions, pages, compiles, and
-        the time spent in steps (`step_seconds`) and, of that, in the model (`model_seconds`)."""
+        """Counters: prompt tokens computed vs found in the prefix cache, preemptions, pages, compiles,
+        the time spent in steps (`step_seconds`) and, of that, in the model (`model_seconds`), and the
+        bytes of weights and KV pages each device holds."""
         scheduler, pool = self.scheduler, self.pool
         return {
             "num_running": len(scheduler.running),
@@ -241,4 +260,7 @@ class LLMEngine:
             "kv_cache_usage": pool.usage,
             "compilations_since_warmup": self.num_compilations_since_warmup,
             "compiled_shapes": self.runner.compiled_shapes,
+            "tensor_parallel_size": self.cfg.tensor_parallel_size,
+            "device_weight_bytes": self.runner.device_weight_bytes,  # on each device of the mesh
+            "device_kv_cache_bytes": self.runner.device_kv_cache_bytes,
         }

@@ -39,13 +39,15 @@ def parse_size(text: str) -> int:
 
 
 def setting(default: Any, help: str, *, flag: bool = True, choices: tuple | None = None,
-            parse: Callable[[str], Any] | None = None, unit_alias: tuple[str, int, str] | None = None):
+            parse: Callable[[str], Any] | None = None, unit_alias: tuple[str, int, str] | None = None,
+            short: str | None = None):
     """Declares one engine setting. flag: whether the command line takes it, as `--the-name` (the
     field names are vLLM's, so the flags are too); parse: how a flag's text becomes the value (default:
     the field's type); unit_alias: a second flag for the same setting in another unit (flag, how many of
-    the setting's units one of it is, the unit's name), kept for the command lines written before."""
+    the setting's units one of it is, the unit's name), kept for the command lines written before;
+    short: a short form of the flag (vLLM's, such as -tp)."""
     return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "choices": choices,
-                                                        "parse": parse, "unit_alias": unit_alias})
+                                                        "parse": parse, "unit_alias": unit_alias, "short": short})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +72,13 @@ class EngineConfig:
                                         "decodes in separate steps, vLLM V0's policy, to measure what mixing buys)")
     attention_backend: str = setting("auto", "auto: the Pallas kernels on a Hopper GPU when the model fits them, "
                                              "the C++ kernel on a CPU (float32), else XLA", choices=ATTENTION_BACKENDS)
+    tensor_parallel_size: int = setting(1, "devices the model is split over, by heads, MLP columns and "
+                                           "vocabulary (tensor parallelism); KV memory is per device", short="-tp")
+    nnodes: int = setting(1, "hosts serving one model together (jax.distributed); see --node-rank, --dist-init-addr")
+    node_rank: int = setting(0, "this host's rank among --nnodes: 0 leads (HTTP server, scheduler), the others "
+                                "follow its steps")
+    dist_init_addr: str | None = setting(None, "HOST:PORT of rank 0's JAX coordinator (the step inputs go to "
+                                               "PORT + 1); needed with --nnodes > 1")
     matmul_backend: str = setting("auto", "auto: the C++ packed-weight matmul on a CPU (float32), else XLA's dot",
                                   choices=MATMUL_BACKENDS)
     # Tests, debugging and tuning only: not on the command line.
@@ -94,6 +103,13 @@ class EngineConfig:
               f"{self.block_size=} must be a power of two")
         check(self.max_model_len is None or self.max_model_len > 0, f"{self.max_model_len=} must be positive")
         check(self.max_num_seqs > 0, f"{self.max_num_seqs=} must be positive")
+        check(self.tensor_parallel_size >= 1, f"{self.tensor_parallel_size=} must be at least 1")
+        check(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes,
+              f"{self.node_rank=} must be in [0, {self.nnodes=})")
+        check(self.tensor_parallel_size % self.nnodes == 0,
+              f"{self.tensor_parallel_size=} must be a multiple of {self.nnodes=} (devices on each host)")
+        check(self.nnodes == 1 or bool(re.fullmatch(r".+:[0-9]+", self.dist_init_addr or "")),
+              f"{self.dist_init_addr=} must be HOST:PORT with {self.nnodes=}")
         check(self.max_num_batched_tokens >= self.min_prefill_bucket,
               f"{self.max_num_batched_tokens=} must be at least {self.min_prefill_bucket=}")
         check(self.max_num_batched_tokens >= self.max_num_seqs,
@@ -147,13 +163,15 @@ def add_engine_flags(parser: argparse.ArgumentParser, positional_model: bool = F
     group = parser.add_argument_group("engine settings")
     for f in _flag_fields():
         meta, flag = f.metadata, "--" + f.name.replace("_", "-")
+        flags = (meta["short"], flag) if meta["short"] else (flag,)
         if f.type in ("bool", bool):
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+            group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
                                help=f"{meta['help']} (default: {'on' if f.default else 'off'})")
             continue
-        value_type = meta["parse"] or {"int": int, "int | None": int, "float": float, "str": str}[f.type]
+        value_type = meta["parse"] or {"int": int, "int | None": int, "float": float, "str": str,
+                                        "str | None": str}[f.type]
         help_text = meta["help"] if f.default is None else f"{meta['help']} (default: {f.default})"
-        group.add_argument(flag, dest=f.name, type=value_type, default=f.default, choices=meta["choices"],
+        group.add_argument(*flags, dest=f.name, type=value_type, default=f.default, choices=meta["choices"],
                            help=help_text)
         if meta["unit_alias"] is not None:
             alias, _, unit_name = meta["unit_alias"]

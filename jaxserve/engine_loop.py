@@ -99,6 +99,16 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    def fail(self, message: str) -> None:
+        """Marks the loop dead and ends every open stream with an error, from any thread: for a failure
+        outside the engine thread (a multi-host follower gone) while that thread may be blocked in a
+        step that waits for it. Only streams are touched, through their thread-safe `put`."""
+        self.error = RuntimeError(message)
+        self._stopped.set()
+        self._wakeup.set()
+        for stream in list(self._streams.values()):
+            stream.put(StreamDelta([], error=self.error))
+
     # -- callers' side (any thread) -----------------------------------------------------------------
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,

@@ -1,6 +1,7 @@
-"""The model runner: scheduled batch (host lists) -> numpy -> device arrays -> one compiled call.
+"""The model runner: scheduled batch -> step inputs (`step_inputs.py`) -> one compiled call.
 
-It owns the params, the KV page array, the shape buckets and the compiled executables. Two entry
+It owns the params, the KV page array, the shape buckets and the compiled executables (on one device,
+or split over a mesh by `tensor_parallel.py`). Two entry
 points, both the same step function (forward pass + on-device sampling) compiled per bucket:
 
   prefill: a ragged batch of prompt chunks and decode rows on one token axis, padded to a
@@ -14,11 +15,10 @@ This module does not decide what runs (scheduler.py) or when a request ends (eng
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,16 +26,16 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve import compilation
-from jaxserve.attention import AttentionMetadata
 from jaxserve.attention_backends import resolve_attention_backend, resolve_matmul_backend
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.transformer import (forward, init_kv_cache, kv_bytes_per_token, rope_position_tables,
                                          serving_params)
-from jaxserve.sampling import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplerOutput, SamplingParams, SamplingTensors, sample
+from jaxserve.sampling import SamplerOutput, sample
+from jaxserve.step_inputs import ScheduledSeq, StepInputBuilder, StepInputs
+from jaxserve.tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
-DUMMY_PAGE = 0
 
 
 def _powers_of_two(lo: int, hi: int) -> list[int]:
@@ -56,31 +56,17 @@ def decode_buckets(cfg: EngineConfig) -> list[int]:
     return _powers_of_two(min(cfg.min_decode_bucket, cfg.max_num_seqs), cfg.max_num_seqs)
 
 
+def _bytes_on_first_device(tree) -> int:
+    leaves = jax.tree.leaves(tree)
+    if not leaves or not hasattr(leaves[0], "addressable_shards"):
+        return sum(x.size * x.dtype.itemsize for x in leaves)  # shapes only (check-lowering)
+    device = leaves[0].addressable_shards[0].device
+    return sum(shard.data.nbytes for x in leaves for shard in x.addressable_shards if shard.device == device)
+
+
 def pick_bucket(buckets: list[int], size: int) -> int:
     assert size <= buckets[-1], f"{size=} exceeds the largest bucket {buckets[-1]}"
     return next(b for b in buckets if b >= size)
-
-
-@dataclasses.dataclass
-class ScheduledSeq:
-    """One sequence's share of a step, as the scheduler hands it over (host ints and lists)."""
-
-    token_ids: list[int]  # the new tokens of this step
-    num_computed_tokens: int  # tokens already in the KV pages
-    block_table: list[int]  # page ids, covering num_computed_tokens + len(token_ids)
-    params: SamplingParams
-    seed: int
-    prompt_len: int = 0
-    history: list[int] | None = None  # all token ids so far, only when penalties are on
-    suppress_ids: tuple[int, ...] = ()  # ids banned this step (EOS and stop ids before min_tokens)
-
-
-class StepInputs(NamedTuple):
-    token_ids: np.ndarray  # [T] int32
-    positions: np.ndarray  # [T] int32
-    md: AttentionMetadata  # slot_mapping [T], cu_q_lens [S+1], kv_lens [S], block_tables [S, P]
-    logits_indices: np.ndarray  # [S] int32, each sequence's last row
-    sampling: SamplingTensors  # [S] rows
 
 
 def _step(params, kv_cache, inputs: StepInputs, *, cfg: ModelConfig, q_tile: int, kv_tile: int,
@@ -97,26 +83,40 @@ class ModelRunner:
         """platform: resolve the attention backend for "gpu"/"cpu" instead of this machine (check-lowering)."""
         engine_cfg = engine_cfg.for_model(model_cfg.max_position_embeddings)
         self.model_cfg, self.cfg = model_cfg, engine_cfg
-        self.attention_backend = resolve_attention_backend(engine_cfg.attention_backend, model_cfg, engine_cfg,
+        tp = engine_cfg.tensor_parallel_size
+        # Under tensor parallelism each device runs device_cfg's share of the model (tensor_parallel.py).
+        self.parallel = TensorParallel(model_cfg, tp) if tp > 1 else None
+        self.mesh = self.parallel.mesh if self.parallel else None
+        self.device_cfg = self.parallel.device_cfg if self.parallel else model_cfg
+        self.attention_backend = resolve_attention_backend(engine_cfg.attention_backend, self.device_cfg, engine_cfg,
                                                            platform)
         self.matmul_backend = resolve_matmul_backend(engine_cfg.matmul_backend, engine_cfg, platform)
         self.params = self._serving_params(params)
         self.num_pages = self._num_pages()
-        self.kv_cache = init_kv_cache(model_cfg, self.num_pages, engine_cfg.block_size, engine_cfg.dtype)
+        self.kv_cache = self._init_kv_cache()
+        # What each device holds (all of it on one device): weights with rope tables and replicated norms
+        self.device_weight_bytes = _bytes_on_first_device(self.params)
+        self.device_kv_cache_bytes = _bytes_on_first_device(self.kv_cache)
         self.prefill_buckets = prefill_buckets(engine_cfg)
         self.decode_buckets = decode_buckets(engine_cfg)
-        step = functools.partial(_step, cfg=model_cfg, kv_tile=min(engine_cfg.kv_tile, engine_cfg.max_model_len),
+        step = functools.partial(_step, cfg=model_cfg)
+        jit = functools.partial(jax.jit, donate_argnums=1)
+        if self.parallel:
+            step, jit = self.parallel.step, self.parallel.jit
+        step = functools.partial(step, kv_tile=min(engine_cfg.kv_tile, engine_cfg.max_model_len),
                                  attention_backend=self.attention_backend)
-        self._prefill = jax.jit(functools.partial(step, q_tile=engine_cfg.prefill_query_tile), donate_argnums=1)
-        self._decode = jax.jit(functools.partial(step, q_tile=1, decode_only=True), donate_argnums=1)
+        self._prefill = jit(functools.partial(step, q_tile=engine_cfg.prefill_query_tile))
+        self._decode = jit(functools.partial(step, q_tile=1, decode_only=True))
         self._executables: dict[tuple[str, int], object] = {}
-        # logit_bias entries, plus EOS and stop ids suppressed before min_tokens
-        self.bias_width = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + len(model_cfg.eos_token_ids)
+        self.on_launch: Callable[[str, int, StepInputs], None] | None = None  # multihost.Leader.send_step
+        self.inputs = StepInputBuilder(model_cfg, engine_cfg)
         logger.info(
             "KV cache: %d pages of %d tokens (%d max concurrent tokens), %.1f MiB; %s attention, %s matmuls",
             self.num_pages - 1, engine_cfg.block_size, self.max_concurrent_tokens,
             self.kv_cache_bytes / 2**20, self.attention_backend, self.matmul_backend,
         )
+        if self.parallel:
+            logger.info("tensor parallel over %d devices: %s", tp, self.parallel.describe())
 
     def _serving_params(self, params):
         """forward's layout (per-layer arrays, fused projections; packed for the C++ matmul when
@@ -127,17 +127,23 @@ class ModelRunner:
         leaves = jax.tree.leaves(params)
         to_serving = functools.partial(serving_params, self.model_cfg, packed=self.matmul_backend == "cpu")
         rope = functools.partial(rope_position_tables, self.model_cfg, self.cfg.max_model_len)
+        if self.parallel:
+            return self.parallel.place_params(params, to_serving, rope)
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
             return jax.eval_shape(to_serving, params) | jax.eval_shape(rope)
         if all(device.platform == "cpu" for x in leaves for device in x.devices()):
             return jax.tree.map(jnp.asarray, to_serving(jax.tree.map(np.asarray, params))) | rope()
         return jax.jit(to_serving)(params) | rope()
 
+    def _init_kv_cache(self):
+        make = init_kv_cache if self.parallel is None else self.parallel.init_kv_cache
+        return make(self.model_cfg, self.num_pages, self.cfg.block_size, self.cfg.dtype)
+
     def _num_pages(self) -> int:
-        """Pages in the array: the pool's pages plus the dummy page 0."""
+        """Pages in the array: the pool's pages plus the dummy page 0. kv_cache_memory_bytes is per device."""
         if self.cfg.num_kv_pages is not None:
             return self.cfg.num_kv_pages + 1
-        per_page = kv_bytes_per_token(self.model_cfg, self.cfg.dtype) * self.cfg.block_size
+        per_page = kv_bytes_per_token(self.device_cfg, self.cfg.dtype) * self.cfg.block_size
         num_pages = self.cfg.kv_cache_memory_bytes // per_page
         if num_pages < 2:
             raise ValueError(
@@ -157,30 +163,7 @@ class ModelRunner:
     # -- compilation ------------------------------------------------------------------------------
 
     def _input_shapes(self, kind: str, bucket: int) -> StepInputs:
-        num_tokens = bucket
-        num_seqs = bucket if kind == "decode" else min(bucket, self.cfg.max_num_seqs)
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-        return StepInputs(
-            token_ids=i32(num_tokens),
-            positions=i32(num_tokens),
-            md=AttentionMetadata(i32(num_tokens), i32(num_seqs + 1), i32(num_seqs),
-                                 i32(num_seqs, self.cfg.pages_per_seq)),
-            logits_indices=i32(num_seqs),
-            sampling=jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self._empty_sampling(num_seqs)),
-        )
-
-    def _empty_sampling(self, num_seqs: int) -> SamplingTensors:
-        """Host arrays for `num_seqs` inert rows (greedy, everything off)."""
-        f32 = lambda value: np.full(num_seqs, value, np.float32)  # noqa: E731
-        return SamplingTensors(
-            temperature=f32(0.0), top_k=np.zeros(num_seqs, np.int32), top_p=f32(1.0), min_p=f32(0.0),
-            presence_penalty=f32(0.0), frequency_penalty=f32(0.0), repetition_penalty=f32(1.0),
-            seeds=np.zeros(num_seqs, np.uint32), positions=np.zeros(num_seqs, np.int32),
-            bias_ids=np.full((num_seqs, self.bias_width), self.model_cfg.vocab_size, np.int32),
-            bias_values=np.zeros((num_seqs, self.bias_width), np.float32),
-            history=np.full((num_seqs, self.cfg.max_model_len), -1, np.int32),
-            prompt_lens=np.zeros(num_seqs, np.int32), want_logprobs=np.zeros(num_seqs, np.bool_),
-        )
+        return self.inputs.shapes(bucket, bucket if kind == "decode" else min(bucket, self.cfg.max_num_seqs))
 
     def warmup(self, show_progress: bool = True) -> dict:
         """Compiles every bucket of both entry points once; returns a summary."""
@@ -229,7 +212,14 @@ class ModelRunner:
             kind, bucket = "prefill", pick_bucket(self.prefill_buckets, num_tokens)
             num_seqs = min(bucket, self.cfg.max_num_seqs)
         assert len(seqs) <= num_seqs, (len(seqs), num_seqs)
-        inputs = self._build_inputs(seqs, num_tokens=bucket, num_seqs=num_seqs, on_row_error=on_row_error)
+        inputs = self.inputs.build(seqs, num_tokens=bucket, num_seqs=num_seqs, on_row_error=on_row_error)
+        return self.launch(kind, bucket, inputs)
+
+    def launch(self, kind: str, bucket: int, inputs: StepInputs) -> SamplerOutput:
+        """Runs one bucket's executable on built inputs (a multi-host follower runs the leader's this
+        way); `on_launch`, if set, sees them first (the leader sends them to its followers)."""
+        if self.on_launch is not None:
+            self.on_launch(kind, bucket, inputs)
         if (kind, bucket) not in self._executables:
             self.warmup(show_progress=False)  # only before warm-up ran; afterwards every key exists
         output, self.kv_cache = self._executables[kind, bucket](self.params, self.kv_cache, inputs)
@@ -237,60 +227,9 @@ class ModelRunner:
 
     @staticmethod
     def fetch(output: SamplerOutput, num_seqs: int, with_logprobs: bool) -> SamplerOutput:
-        """Copies the sampled tokens (and logprobs only if some row asked) to the host."""
+        """Copies the sampled tokens (and logprobs only if some row asked) to the host: this process's
+        copy, as every device holds them all (over several hosts the array is not all addressable here)."""
+        host = lambda a: np.asarray(a.addressable_data(0))[:num_seqs]  # noqa: E731
         if not with_logprobs:
-            return SamplerOutput(np.asarray(output.token_ids)[:num_seqs], None, None, None)
-        return SamplerOutput(*(np.asarray(a)[:num_seqs] for a in output))
-
-    def _build_inputs(self, seqs: list[ScheduledSeq], num_tokens: int, num_seqs: int,
-                      on_row_error: Callable[[int, Exception], None] | None = None) -> StepInputs:
-        page_size = self.cfg.block_size
-        token_ids = np.zeros(num_tokens, np.int32)
-        positions = np.zeros(num_tokens, np.int32)
-        slot_mapping = np.arange(num_tokens, dtype=np.int32) % page_size + DUMMY_PAGE * page_size
-        cu_q_lens = np.zeros(num_seqs + 1, np.int32)
-        kv_lens = np.zeros(num_seqs, np.int32)
-        block_tables = np.full((num_seqs, self.cfg.pages_per_seq), DUMMY_PAGE, np.int32)
-        sampling = self._empty_sampling(num_seqs)
-        row = 0
-        for i, s in enumerate(seqs):
-            n = len(s.token_ids)
-            pos = np.arange(s.num_computed_tokens, s.num_computed_tokens + n, dtype=np.int32)
-            table = np.asarray(s.block_table, np.int32)
-            token_ids[row:row + n] = s.token_ids
-            positions[row:row + n] = pos
-            slot_mapping[row:row + n] = table[pos // page_size] * page_size + pos % page_size
-            block_tables[i, : len(table)] = table
-            kv_lens[i] = s.num_computed_tokens + n
-            try:
-                self._fill_sampling_row(sampling, i, s)
-            except Exception as e:  # noqa: BLE001 - handed to the caller, or re-raised
-                if on_row_error is None:
-                    raise
-                for field, inert in zip(sampling, self._empty_sampling(1)):
-                    field[i] = inert[0]
-                on_row_error(i, e)
-            row += n
-            cu_q_lens[i + 1] = row
-        cu_q_lens[len(seqs) + 1:] = row
-        logits_indices = np.maximum(cu_q_lens[1:] - 1, 0)
-        sampling.positions[:] = kv_lens
-        md = AttentionMetadata(slot_mapping, cu_q_lens, kv_lens, block_tables)
-        return StepInputs(token_ids, positions, md, logits_indices, sampling)
-
-    def _fill_sampling_row(self, t: SamplingTensors, i: int, s: ScheduledSeq) -> None:
-        p = s.params
-        top_k = min(p.top_k, self.model_cfg.vocab_size)  # any larger k keeps the whole vocabulary
-        t.temperature[i], t.top_k[i], t.top_p[i], t.min_p[i] = p.temperature, top_k, p.top_p, p.min_p
-        t.presence_penalty[i], t.frequency_penalty[i] = p.presence_penalty, p.frequency_penalty
-        t.repetition_penalty[i], t.seeds[i] = p.repetition_penalty, s.seed
-        t.want_logprobs[i] = p.logprobs is not None
-        bias = dict(p.logit_bias or {})
-        for token in s.suppress_ids:
-            bias[token] = -np.inf
-        if bias:
-            t.bias_ids[i, : len(bias)] = list(bias)
-            t.bias_values[i, : len(bias)] = list(bias.values())
-        if s.history is not None:
-            t.history[i, : len(s.history)] = s.history
-            t.prompt_lens[i] = s.prompt_len
+            return SamplerOutput(host(output.token_ids), None, None, None)
+        return SamplerOutput(*(host(a) for a in output))

@@ -256,6 +256,12 @@ def _sample_random(processed, t: SamplingTensors):
     return inverse_cdf_sample(probs, jax.vmap(uniform)(t.seeds, t.positions))
 
 
+def no_logprobs(num_seqs: int, dtype):
+    """SamplerOutput's logprob fields for a step where no row asked for them: zeros."""
+    return (jnp.zeros((num_seqs,), dtype), jnp.zeros((num_seqs, MAX_LOGPROBS), jnp.int32),
+            jnp.zeros((num_seqs, MAX_LOGPROBS), dtype))
+
+
 def sample(logits, t: SamplingTensors) -> SamplerOutput:
     """Samples one token per row from logits [S, vocab] f32.
 
@@ -290,9 +296,6 @@ def sample(logits, t: SamplingTensors) -> SamplerOutput:
         top_logprobs, top_ids = jax.lax.top_k(logits - log_normalizer[:, None], MAX_LOGPROBS)
         return token_logprobs, top_ids.astype(jnp.int32), top_logprobs
 
-    def none():
-        return (jnp.zeros((num_seqs,), logits.dtype), jnp.zeros((num_seqs, MAX_LOGPROBS), jnp.int32),
-                jnp.zeros((num_seqs, MAX_LOGPROBS), logits.dtype))
-
-    token_logprobs, top_ids, top_logprobs = jax.lax.cond(jnp.any(t.want_logprobs), logprobs, none)
+    token_logprobs, top_ids, top_logprobs = jax.lax.cond(jnp.any(t.want_logprobs), logprobs,
+                                                         lambda: no_logprobs(num_seqs, logits.dtype))
     return SamplerOutput(tokens, token_logprobs, top_ids, top_logprobs)

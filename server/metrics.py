@@ -27,6 +27,9 @@ class _EngineCollector:
             "num_requests_running": ("Requests in the running batch", stats["num_running"]),
             "num_requests_waiting": ("Requests waiting to be scheduled", stats["num_waiting"]),
             "kv_cache_usage_perc": ("Fraction of KV pages held by requests (0..1)", stats["kv_cache_usage"]),
+            "tensor_parallel_size": ("Devices the model is split over", stats["tensor_parallel_size"]),
+            "device_weight_bytes": ("Weight bytes on each device", stats["device_weight_bytes"]),
+            "device_kv_cache_bytes": ("KV page bytes on each device", stats["device_kv_cache_bytes"]),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)

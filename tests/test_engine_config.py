@@ -42,6 +42,10 @@ def test_the_flags_in_use_keep_their_names_and_meaning(command):
         dtype="bfloat16", enable_prefix_caching=False)
 
 
+SPECIAL_VALUES = {"kv_cache_memory_bytes": "1GiB", "tensor_parallel_size": "2", "nnodes": "2", "node_rank": "1",
+                  "dist_init_addr": "leader:1234"}
+
+
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
 @pytest.mark.parametrize("field", FLAG_FIELDS, ids=lambda f: f.name)
 def test_every_command_line_setting_is_a_flag_of_every_command(command, field):
@@ -52,9 +56,12 @@ def test_every_command_line_setting_is_a_flag_of_every_command(command, field):
         assert getattr(_config(*command, flag), field.name) is True
         return
     choices = field.metadata["choices"]
-    value = choices[-1] if choices else {"kv_cache_memory_bytes": "1GiB"}.get(field.name, "64")
-    expected = parse_size(value) if field.name == "kv_cache_memory_bytes" else type(field.default or 0)(value)
-    assert getattr(_config(*command, flag, value), field.name) == expected
+    value = choices[-1] if choices else SPECIAL_VALUES.get(field.name, "64")
+    expected = {"kv_cache_memory_bytes": parse_size, "dist_init_addr": str}.get(
+        field.name, type(field.default or 0))(value)
+    group = ["-tp", "2", "--nnodes", "2", "--dist-init-addr", "leader:1234"]  # what the multi-host flags need
+    others = group if field.name in ("nnodes", "node_rank", "dist_init_addr") else []
+    assert getattr(_config(*command, *others, flag, value), field.name) == expected
 
 
 def test_debug_settings_are_declared_but_not_flags():

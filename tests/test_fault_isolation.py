@@ -84,14 +84,14 @@ def test_a_sampling_row_failure_ends_that_request_alone(llm, alone, monkeypatch)
     """The broken request's row runs inert (its pages' K/V are still written as scheduled)."""
     engine = llm.engine
     poisoned = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, seed=1234)
-    fill = engine.runner._fill_sampling_row
+    fill = engine.runner.inputs.fill_sampling_row
 
     def fill_or_fail(tensors, row, seq):
         if seq.params is poisoned:
             raise RuntimeError("boom in the sampling row")
         fill(tensors, row, seq)
 
-    monkeypatch.setattr(engine.runner, "_fill_sampling_row", fill_or_fail)
+    monkeypatch.setattr(engine.runner.inputs, "fill_sampling_row", fill_or_fail)
     requests = [engine.add_request(_prompt(i), poisoned if i == 2 else GREEDY) for i in range(4)]
     _run(engine, requests)
     _assert_isolated(engine, requests, 2, alone, "building its sampling row failed")
@@ -125,8 +125,8 @@ def test_the_prefix_cache_stays_correct_after_a_request_fails_mid_prompt(llm, al
     cold = llm.generate([{"prompt_token_ids": shared + [9]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     engine.pool.reset_prefix_cache()
     poisoned = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, seed=99)
-    fill = engine.runner._fill_sampling_row
-    monkeypatch.setattr(engine.runner, "_fill_sampling_row",
+    fill = engine.runner.inputs.fill_sampling_row
+    monkeypatch.setattr(engine.runner.inputs, "fill_sampling_row",
                         lambda t, i, s: (_ for _ in ()).throw(RuntimeError("boom")) if s.params is poisoned
                         else fill(t, i, s))
     failing = engine.add_request(shared + [7], poisoned)

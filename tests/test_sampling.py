@@ -21,9 +21,8 @@ import torch
 import transformers
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.model_runner import ModelRunner
-from jaxserve.sampling import (MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingTensors, apply_penalties, argmax,
-                               inverse_cdf_sample, sample)
+from jaxserve.step_inputs import StepInputBuilder
+from jaxserve.sampling import SamplingTensors, apply_penalties, argmax, inverse_cdf_sample, sample
 
 VOCAB = 32  # direct tests; >= MAX_LOGPROBS, since the logprobs branch is traced for every call
 HISTORY_LEN = 128  # the model runner sizes `history` as max_model_len
@@ -43,15 +42,15 @@ _apply_penalties = jax.jit(apply_penalties)
 
 
 def _tensors(num_rows: int, vocab: int = VOCAB, bias: dict[int, float] | None = None, **fields) -> SamplingTensors:
-    """`num_rows` rows padded as ModelRunner._empty_sampling pads them, seeds 0.. and random positions.
+    """`num_rows` rows padded as the engine pads them (StepInputBuilder.empty_sampling), seeds 0.. and
+    random positions.
 
     `fields` override SamplingTensors entries (a scalar or one row, broadcast to every row); `bias`
     fills the same {token: bias} into every row's bias slots.
     """
-    fake_runner = SimpleNamespace(bias_width=MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + 1,
-                                  model_cfg=SimpleNamespace(vocab_size=vocab),
-                                  cfg=SimpleNamespace(max_model_len=HISTORY_LEN))
-    t = ModelRunner._empty_sampling(fake_runner, num_rows)
+    builder = StepInputBuilder(SimpleNamespace(vocab_size=vocab, eos_token_ids=(0,)),
+                               SimpleNamespace(max_model_len=HISTORY_LEN))
+    t = builder.empty_sampling(num_rows)
     t.temperature[:] = 1.0
     t.seeds[:] = np.arange(num_rows, dtype=np.uint32)
     t.positions[:] = np.random.default_rng(1).integers(0, HISTORY_LEN, num_rows)

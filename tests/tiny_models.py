@@ -36,7 +36,15 @@ COMMON_CONFIG = dict(  # what every family shares; tests that build their own co
 )
 
 
-def hf_config(family: str):
+def hf_config(family: str, **overrides):
+    """The tiny config of `family`; overrides replace COMMON_CONFIG's values (head counts, sizes)."""
+    config = _family_config(family)
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    return config
+
+
+def _family_config(family: str):
     if family in ("llama", "llama_untied"):
         return transformers.LlamaConfig(**COMMON_CONFIG, tie_word_embeddings=family == "llama", rope_theta=10000.0)
     if family == "llama3":
@@ -75,16 +83,17 @@ def byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
 
 
 def make_tiny_model(family: str, directory: Path, seed: int = 0, *, attention_std: float | None = None,
-                    embedding_std: float | None = None):
+                    embedding_std: float | None = None, **config_overrides):
     """Saves a random `family` model with a byte tokenizer to `directory`; returns the torch model.
 
     With the default init (std 0.02, tied embeddings) greedy decoding mostly repeats the last token,
     whatever the context. Tests that compare token streams across schedules (chunking, caching,
     preemption) pass `attention_std`/`embedding_std` (e.g. 0.3 / 1.0) to redraw the q/k/v/o
     projections and the embeddings, so every token depends on the whole context and its positions.
+    config_overrides: see `hf_config`.
     """
     torch.manual_seed(seed)
-    config = hf_config(family)
+    config = hf_config(family, **config_overrides)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # default init leaves norms at 1 and biases at 0: randomize them too
         for name, param in model.named_parameters():

@@ -61,12 +61,22 @@ def apply_rope(x, cos, sin):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def serving_params(cfg: ModelConfig, params, packed: bool = False) -> dict:
+def _fuse(parts: list, num_shards: int, xp):
+    """Concatenates parts [..., n_i] on their last axis, shard by shard: [p0_0 | p1_0 | p2_0 | p0_1 | ...],
+    so that cutting the result into num_shards equal blocks gives each shard its own slice of each part."""
+    split = [p.reshape(*p.shape[:-1], num_shards, p.shape[-1] // num_shards) for p in parts]
+    fused = xp.concatenate(split, axis=-1)
+    return fused.reshape(*fused.shape[:-2], -1)
+
+
+def serving_params(cfg: ModelConfig, params, packed: bool = False, num_shards: int = 1) -> dict:
     """The loaded (stacked) params -> forward's layout: a list of per-layer dicts with
     w_qkv [hidden, (H + 2 KVH) D] (and b_qkv) and w_gate_up [hidden, 2 inter].
 
     packed: the weight matrices become `PackedWeight`s for the C++ CPU matmul, the LM head included;
-    a tied LM head is then the only copy of the embeddings (forward looks tokens up in it)."""
+    a tied LM head is then the only copy of the embeddings (forward looks tokens up in it).
+    num_shards: the fused matrices (and packed column-split ones) are laid out shard by shard for a
+    split over that many devices by output columns (tensor_parallel.py); 1 is the plain layout."""
     stacked = params["layers"]
     xp = np if isinstance(stacked["attn_norm"], np.ndarray) else jnp  # host arrays stay on the host
     out = {k: v for k, v in params.items() if k != "layers"}
@@ -77,18 +87,20 @@ def serving_params(cfg: ModelConfig, params, packed: bool = False) -> dict:
         lp = {name: stacked[name][i] for name in stacked if name not in parts}
         for name, names in fused.items():
             if names[0] in stacked:
-                lp[name] = xp.concatenate([stacked[n][i] for n in names], axis=-1)
+                lp[name] = _fuse([stacked[n][i] for n in names], num_shards, xp)
         layers.append(lp)
     out["layers"] = layers
     if packed:
         for lp in layers:
             for name in MATRICES:
-                lp[name] = PackedWeight.pack(lp[name])
-        out["lm_head"] = PackedWeight.pack(out.pop("embed").T if cfg.tie_word_embeddings else out["lm_head"])
+                lp[name] = PackedWeight.pack(lp[name], num_shards if name in COLUMN_SPLIT else 1)
+        lm_head = out.pop("embed").T if cfg.tie_word_embeddings else out["lm_head"]
+        out["lm_head"] = PackedWeight.pack(lm_head, num_shards)
     return out
 
 
 MATRICES = ("w_qkv", "wo", "w_gate_up", "w_down")  # a layer's weight matrices, in serving_params' layout
+COLUMN_SPLIT = ("w_qkv", "w_gate_up")  # split by output columns under tensor parallelism; wo and w_down by rows
 
 
 def _mlp(cfg: ModelConfig, lp, x, rows):
@@ -98,12 +110,18 @@ def _mlp(cfg: ModelConfig, lp, x, rows):
     return matmul(jax.nn.gelu(gate, approximate=True) * up, lp["w_down"], rows)
 
 
+def _all_reduce(x, axis: str | None):
+    """The sum of each device's partial x over the tensor-parallel `axis` (nothing on one device)."""
+    return x if axis is None else jax.lax.psum(x, axis)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "sliding", "q_tile", "kv_tile", "attention_backend",
-                                             "decode_only"))
+                                             "decode_only", "axis"))
 def _layer(h, k_pages, v_pages, lp, layer, cos, sin, md: AttentionMetadata, *, cfg: ModelConfig, sliding: bool,
-           q_tile: int, kv_tile: int, attention_backend: str, decode_only: bool):
+           q_tile: int, kv_tile: int, attention_backend: str, decode_only: bool, axis: str | None):
     """One decoder layer. Jitted on its own so that tracing and lowering happen once per step
-    function, not once per layer; XLA still inlines it into each layer's place."""
+    function, not once per layer; XLA still inlines it into each layer's place. Under tensor
+    parallelism cfg is one device's share and the two all-reduces are the layer's only communication."""
     num_tokens = h.shape[0]
     rows = md.cu_q_lens[-1]  # the real tokens; the packed CPU matmul skips the padding below them
     q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -130,11 +148,11 @@ def _layer(h, k_pages, v_pages, lp, layer, cos, sin, md: AttentionMetadata, *, c
         backend=attention_backend,
         decode_only=decode_only,
     )
-    out = matmul(attn.reshape(num_tokens, q_width), lp["wo"], rows)
+    out = _all_reduce(matmul(attn.reshape(num_tokens, q_width), lp["wo"], rows), axis)
     if cfg.sandwich_norm:
         out = rms_norm(out, lp["post_attn_norm"], cfg.rms_norm_eps)
     h = h + out
-    out = _mlp(cfg, lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps), rows)
+    out = _all_reduce(_mlp(cfg, lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps), rows), axis)
     if cfg.sandwich_norm:
         out = rms_norm(out, lp["post_mlp_norm"], cfg.rms_norm_eps)
     return h + out, k_pages, v_pages
@@ -153,18 +171,17 @@ def forward(
     kv_tile: int = 128,
     attention_backend: str = "xla",
     decode_only: bool = False,
+    axis: str | None = None,
 ):
     """Runs the model over a ragged batch of tokens; returns (logits [S, vocab] f32, kv_cache).
 
     params are in `serving_params`' layout; the layers are unrolled (each reads its own weight
     arrays in place). attention_backend is a resolved one (see attention_backends.py); decode_only
     promises at most one query row per sequence, which lets the Pallas backends use their decode kernel.
+    axis: inside shard_map over that mesh axis (tensor_parallel.py), params, kv_cache and cfg are one
+    device's share and the logits its slice of the vocabulary.
     """
-    num_tokens = token_ids.shape[0]
-    if "embed" in params:
-        h = params["embed"][token_ids]
-    else:  # packed and tied: the LM head holds the embeddings
-        h = params["lm_head"].columns(token_ids)
+    h = _embed(params, token_ids, axis)
     if cfg.embed_scale != 1.0:
         h = h * jnp.asarray(cfg.embed_scale, h.dtype)
 
@@ -181,7 +198,7 @@ def forward(
         h, k_pages, v_pages = _layer(
             h, k_pages, v_pages, lp, jnp.int32(layer_id), *(local_rope if sliding else global_rope), md,
             cfg=cfg, sliding=sliding, q_tile=q_tile, kv_tile=kv_tile, attention_backend=attention_backend,
-            decode_only=decode_only,
+            decode_only=decode_only, axis=axis,
         )
 
     h = rms_norm(h[logits_indices], params["final_norm"], cfg.rms_norm_eps)
@@ -193,6 +210,20 @@ def forward(
     if cfg.final_logit_softcap:
         logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
     return logits, (k_pages, v_pages)
+
+
+def _embed(params, token_ids, axis: str | None):
+    """Embedding rows [T, hidden] of token_ids; with a vocabulary split over `axis`, each device looks up
+    the ids in its slice and the rows are summed across devices."""
+    if "embed" in params:
+        table_rows, lookup = params["embed"].shape[0], lambda ids: params["embed"][ids]
+    else:  # packed and tied: the LM head holds the embeddings
+        table_rows, lookup = params["lm_head"].n, params["lm_head"].columns
+    if axis is None:
+        return lookup(token_ids)
+    local = token_ids - jax.lax.axis_index(axis) * table_rows
+    inside = (local >= 0) & (local < table_rows)
+    return _all_reduce(jnp.where(inside[:, None], lookup(jnp.where(inside, local, 0)), 0), axis)
 
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KVCache:

@@ -1,0 +1,136 @@
+"""A step's inputs: the scheduled sequences (host ints and lists) -> the numpy arrays of one bucket.
+
+The scheduler hands over one `ScheduledSeq` per sequence; `StepInputBuilder.build` lays them out
+the way the compiled step reads them (the ragged attention contract of `attention.py`: new tokens
+flattened on one token axis, `cu_q_lens`, `kv_lens`, block tables, the slot of each token) and adds
+one sampling row per sequence (`SamplingTensors`), everything padded to the bucket: padding tokens
+write into the dummy page 0, padding sequences have no tokens, padding sampling rows are inert
+(greedy, nothing on). `model_runner.py` then hands the arrays to the executable; nothing here touches
+a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.attention import AttentionMetadata
+from jaxserve.config import ModelConfig
+from jaxserve.engine_config import EngineConfig
+from jaxserve.sampling import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams, SamplingTensors
+
+DUMMY_PAGE = 0
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    """One sequence's share of a step, as the scheduler hands it over (host ints and lists)."""
+
+    token_ids: list[int]  # the new tokens of this step
+    num_computed_tokens: int  # tokens already in the KV pages
+    block_table: list[int]  # page ids, covering num_computed_tokens + len(token_ids)
+    params: SamplingParams
+    seed: int
+    prompt_len: int = 0
+    history: list[int] | None = None  # all token ids so far, only when penalties are on
+    suppress_ids: tuple[int, ...] = ()  # ids banned this step (EOS and stop ids before min_tokens)
+
+
+class StepInputs(NamedTuple):
+    token_ids: np.ndarray  # [T] int32
+    positions: np.ndarray  # [T] int32
+    md: AttentionMetadata  # slot_mapping [T], cu_q_lens [S+1], kv_lens [S], block_tables [S, P]
+    logits_indices: np.ndarray  # [S] int32, each sequence's last row
+    sampling: SamplingTensors  # [S] rows
+
+
+class StepInputBuilder:
+    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig):
+        self.model_cfg, self.cfg = model_cfg, engine_cfg
+        # logit_bias entries, plus EOS and stop ids suppressed before min_tokens
+        self.bias_width = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + len(model_cfg.eos_token_ids)
+
+    def shapes(self, num_tokens: int, num_seqs: int) -> StepInputs:
+        """ShapeDtypeStructs of a bucket's inputs, for compiling it."""
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        return StepInputs(
+            token_ids=i32(num_tokens),
+            positions=i32(num_tokens),
+            md=AttentionMetadata(i32(num_tokens), i32(num_seqs + 1), i32(num_seqs),
+                                 i32(num_seqs, self.cfg.pages_per_seq)),
+            logits_indices=i32(num_seqs),
+            sampling=jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.empty_sampling(num_seqs)),
+        )
+
+    def empty_sampling(self, num_seqs: int) -> SamplingTensors:
+        """Host arrays for `num_seqs` inert rows (greedy, everything off)."""
+        f32 = lambda value: np.full(num_seqs, value, np.float32)  # noqa: E731
+        return SamplingTensors(
+            temperature=f32(0.0), top_k=np.zeros(num_seqs, np.int32), top_p=f32(1.0), min_p=f32(0.0),
+            presence_penalty=f32(0.0), frequency_penalty=f32(0.0), repetition_penalty=f32(1.0),
+            seeds=np.zeros(num_seqs, np.uint32), positions=np.zeros(num_seqs, np.int32),
+            bias_ids=np.full((num_seqs, self.bias_width), self.model_cfg.vocab_size, np.int32),
+            bias_values=np.zeros((num_seqs, self.bias_width), np.float32),
+            history=np.full((num_seqs, self.cfg.max_model_len), -1, np.int32),
+            prompt_lens=np.zeros(num_seqs, np.int32), want_logprobs=np.zeros(num_seqs, np.bool_),
+        )
+
+    def build(self, seqs: list[ScheduledSeq], num_tokens: int, num_seqs: int,
+              on_row_error: Callable[[int, Exception], None] | None = None) -> StepInputs:
+        """The inputs of `seqs`, padded to num_tokens tokens and num_seqs sequences. on_row_error: a
+        sequence whose sampling row cannot be built gets an inert row and is reported, instead of raising."""
+        page_size = self.cfg.block_size
+        token_ids = np.zeros(num_tokens, np.int32)
+        positions = np.zeros(num_tokens, np.int32)
+        slot_mapping = np.arange(num_tokens, dtype=np.int32) % page_size + DUMMY_PAGE * page_size
+        cu_q_lens = np.zeros(num_seqs + 1, np.int32)
+        kv_lens = np.zeros(num_seqs, np.int32)
+        block_tables = np.full((num_seqs, self.cfg.pages_per_seq), DUMMY_PAGE, np.int32)
+        sampling = self.empty_sampling(num_seqs)
+        row = 0
+        for i, s in enumerate(seqs):
+            n = len(s.token_ids)
+            pos = np.arange(s.num_computed_tokens, s.num_computed_tokens + n, dtype=np.int32)
+            table = np.asarray(s.block_table, np.int32)
+            token_ids[row:row + n] = s.token_ids
+            positions[row:row + n] = pos
+            slot_mapping[row:row + n] = table[pos // page_size] * page_size + pos % page_size
+            block_tables[i, : len(table)] = table
+            kv_lens[i] = s.num_computed_tokens + n
+            try:
+                self.fill_sampling_row(sampling, i, s)
+            except Exception as e:  # noqa: BLE001 - handed to the caller, or re-raised
+                if on_row_error is None:
+                    raise
+                for field, inert in zip(sampling, self.empty_sampling(1)):
+                    field[i] = inert[0]
+                on_row_error(i, e)
+            row += n
+            cu_q_lens[i + 1] = row
+        cu_q_lens[len(seqs) + 1:] = row
+        logits_indices = np.maximum(cu_q_lens[1:] - 1, 0)
+        sampling.positions[:] = kv_lens
+        md = AttentionMetadata(slot_mapping, cu_q_lens, kv_lens, block_tables)
+        return StepInputs(token_ids, positions, md, logits_indices, sampling)
+
+    def fill_sampling_row(self, t: SamplingTensors, i: int, s: ScheduledSeq) -> None:
+        """Row i of the sampling arrays from sequence s's parameters."""
+        p = s.params
+        top_k = min(p.top_k, self.model_cfg.vocab_size)  # any larger k keeps the whole vocabulary
+        t.temperature[i], t.top_k[i], t.top_p[i], t.min_p[i] = p.temperature, top_k, p.top_p, p.min_p
+        t.presence_penalty[i], t.frequency_penalty[i] = p.presence_penalty, p.frequency_penalty
+        t.repetition_penalty[i], t.seeds[i] = p.repetition_penalty, s.seed
+        t.want_logprobs[i] = p.logprobs is not None
+        bias = dict(p.logit_bias or {})
+        for token in s.suppress_ids:
+            bias[token] = -np.inf
+        if bias:
+            t.bias_ids[i, : len(bias)] = list(bias)
+            t.bias_values[i, : len(bias)] = list(bias.values())
+        if s.history is not None:
+            t.history[i, : len(s.history)] = s.history
+            t.prompt_lens[i] = s.prompt_len

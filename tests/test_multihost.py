@@ -1,0 +1,100 @@
+"""Serving across processes: two `jaxserve serve` processes, one CPU device each, joined by
+`jax.distributed` (gloo collectives) into one tensor-parallel group of two, as two hosts would be.
+
+The leader (rank 0) serves HTTP and sends each step to the follower (rank 1); what must hold: the
+group answers with one process's greedy tokens, a follower that dies turns the leader's /health to 503
+within seconds and ends in-flight streams with an error instead of leaving them hanging, and a leader
+that stops takes its follower with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from server_helpers import REPO_ROOT, free_port, run_server
+
+DEFAULT_FLAGS = ["--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "128"]
+PROMPTS = ["The capital of Germany is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+@contextlib.contextmanager
+def _group(flags: list[str]):
+    """A leader (yielded, healthy) and its follower (yielded Popen), rank 1 started first."""
+    group = ["-tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}"]
+    log = tempfile.NamedTemporaryFile("w+b", prefix="jaxserve-follower-", suffix=".log", delete=False)
+    follower = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", *flags, *group, "--node-rank", "1"],
+                                cwd=REPO_ROOT, env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        with run_server([*flags, *group, "--node-rank", "0"], startup_timeout_s=600) as leader:
+            yield leader, follower
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+        follower.wait(timeout=60)
+        log.close()
+        if sys.exc_info()[0] is not None:
+            print(open(log.name, errors="replace").read()[-4000:])
+        os.unlink(log.name)
+
+
+@pytest.mark.default_model
+def test_two_processes_serve_the_default_model_and_a_dead_follower_fails_fast():
+    one = LLM(None, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128)
+    expected = [out.outputs[0].text for out in one.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24),
+                                                            use_tqdm=False)]
+    del one
+    with _group(DEFAULT_FLAGS) as (leader, follower):
+        for prompt, want in zip(PROMPTS, expected):
+            reply = httpx.post(leader.url + "/v1/completions", timeout=120,
+                               json={"prompt": prompt, "max_tokens": 24, "temperature": 0})
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["text"] == want, prompt
+        assert "tensor parallel over 2 cpu devices" in leader.stderr_tail(20_000)
+
+        # A long stream is running when the follower dies: the stream ends (with an error), /health turns 503.
+        ended = threading.Event()
+        events = []
+
+        def stream():
+            body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", leader.url + "/v1/completions", json=body, timeout=120) as response:
+                events.extend(line for line in response.iter_lines() if line.startswith("data: "))
+            ended.set()
+
+        reader = threading.Thread(target=stream, daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 60
+        while len(events) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(events) >= 3, "the stream did not start"
+        follower.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        assert ended.wait(timeout=20), "a stream still hangs 20 s after the follower died"
+        assert any('"error"' in line for line in events[-3:]), events[-3:]
+        while httpx.get(leader.url + "/health", timeout=10).status_code != 503:
+            assert time.monotonic() - killed < 10, "/health still 200 10 s after the follower died"
+            time.sleep(0.1)
+        refused = httpx.post(leader.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert refused.status_code == 503
+        leader.proc.kill()  # a leader whose step waits on a dead peer is not expected to drain
+
+
+def test_a_follower_stops_with_its_leader(tiny_model_dir):
+    flags = [str(tiny_model_dir("llama")), "--max-model-len", "128", "--max-num-seqs", "4",
+             "--max-num-batched-tokens", "32", "--num-kv-pages", "32"]
+    with _group(flags) as (leader, follower):
+        reply = httpx.post(leader.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 8}, timeout=60)
+        assert reply.status_code == 200
+        leader.proc.kill()
+        assert follower.wait(timeout=30) == 0
