@@ -23,6 +23,7 @@ leader's connection ends (it stopped or died), each follower exits.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
 import socket
@@ -89,6 +90,7 @@ class Leader:
         self.followers: dict[int, socket.socket] = {}
         self.on_follower_lost: Callable[[str], None] | None = None
         self._lock = threading.Lock()
+        self._closing = False
         with socket.create_server(_step_address(cfg), reuse_port=False) as server:
             server.settimeout(timeout_s)
             while len(self.followers) < cfg.nnodes - 1:
@@ -116,13 +118,19 @@ class Leader:
             conn.recv(1)
         except OSError:
             pass
+        if self._closing:
+            return
         message = f"follower rank {rank} of the multi-host group has gone; serving stopped"
         logger.error(message)
         if self.on_follower_lost is not None:
             self.on_follower_lost(message)
 
     def close(self) -> None:
+        """Ends every follower's connection (the followers then exit)."""
+        self._closing = True
         for conn in self.followers.values():
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)  # wakes the watcher's recv; close alone would not
             conn.close()
 
 

@@ -55,6 +55,8 @@ def serve(args: argparse.Namespace) -> None:
               f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
         yield
         engine_loop.shutdown()
+        if engine.leader is not None:  # the followers see the end and exit; then JAX's shutdown can meet
+            engine.leader.close()
         app.state.jaxserve.shutdown_executor()
 
     app.router.lifespan_context = lifespan

@@ -96,5 +96,8 @@ def test_a_follower_stops_with_its_leader(tiny_model_dir):
     with _group(flags) as (leader, follower):
         reply = httpx.post(leader.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 8}, timeout=60)
         assert reply.status_code == 200
-        leader.proc.kill()
-        assert follower.wait(timeout=30) == 0
+        leader.proc.send_signal(signal.SIGTERM)
+        leader_code = leader.proc.wait(timeout=60)
+        follower_code = follower.wait(timeout=60)
+        print("exit codes", leader_code, follower_code)
+        assert (leader_code, follower_code) == (0, 0)
