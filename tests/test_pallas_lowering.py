@@ -139,6 +139,17 @@ def test_default_model_step_functions_lower_for_cuda():
     _assert_all_lowered_with_kernels(results)
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_step_functions_lower_for_cuda(tp):
+    """Split over a mesh (of this machine's CPU devices, lowered for CUDA): each device's share runs the
+    Pallas kernels under shard_map (tp 4 replicates the two KV heads), with the layer's all-reduces."""
+    engine = EngineConfig(dtype="bfloat16", attention_backend="pallas", max_model_len=256, max_num_seqs=4,
+                          max_num_batched_tokens=32, num_kv_pages=32, tensor_parallel_size=tp)
+    results = check_lowering(TINY_LLAMA, engine, platform="cuda")
+    _assert_all_lowered_with_kernels(results)
+    assert all(r.custom_calls for r in results)
+
+
 def test_auto_picks_pallas_for_a_gpu_only_when_the_model_fits(caplog):
     """auto resolves to pallas for a bf16 model the kernels take, and to xla -- with the reason logged --
     for float32 or an unsupported head dim; on CPU it is always xla. Bad settings are refused by name."""
