@@ -5,9 +5,9 @@ The KV page array is one preallocated pair of arrays per model,
 
     k_pages, v_pages: [num_layers, num_pages, page_size, num_kv_heads, head_dim]
 
-sharded (later) on the kv-head axis. Page 0 is reserved: padded token rows write their K/V into it
-and nothing ever reads it as a real page. A token's place in the pool is its *slot*,
-`page * page_size + offset`.
+split by KV head under tensor parallelism (`tensor_parallel.py`). Page 0 is reserved: padded token
+rows write their K/V into it and nothing ever reads it as a real page. A token's place in the pool is
+its *slot*, `page * page_size + offset`.
 
 The metadata follows the ragged paged attention contract (tpu-inference RPA v3): queries of several
 sequences are flattened onto one token axis; sequence s owns rows `cu_q_lens[s]:cu_q_lens[s+1]`,
