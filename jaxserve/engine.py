@@ -72,7 +72,7 @@ class LLMEngine:
         if cfg.node_rank > 0:  # a follower serves the leader's steps until the leader stops, then exits
             multihost.run_follower(model, cfg, show_progress)
             raise SystemExit(0)
-        engine = cls(load_model(model, cfg.dtype), cfg)
+        engine = cls(load_model(model, cfg.dtype, lazy=cfg.tensor_parallel_size > 1), cfg)
         runner = engine.runner
         print(f"jaxserve: {engine.model_cfg.architecture} from {engine.model.source}; KV cache {runner.num_pages - 1} "
               f"pages x {engine.cfg.block_size} tokens = {runner.max_concurrent_tokens} max concurrent tokens "
@@ -80,8 +80,8 @@ class LLMEngine:
         if runner.mesh is not None:
             print(f"jaxserve: tensor parallel over {runner.mesh.size} {runner.mesh.devices.flat[0].platform} devices "
                   f"({runner.parallel.describe()}); per device: weights "
-                  f"{runner.device_weight_bytes / 2**20:.1f} MiB, KV cache {runner.device_kv_cache_bytes / 2**20:.1f} MiB",
-                  file=sys.stderr)
+                  f"{runner.device_weight_bytes / 2**20:.1f} MiB, KV cache {runner.device_kv_cache_bytes / 2**20:.1f} MiB; "
+                  f"{runner.describe_weights_read()}", file=sys.stderr)
         if not warmup:
             return engine, None
         summary = engine.warmup(show_progress)

@@ -34,6 +34,7 @@ from jaxserve.models.transformer import (forward, init_kv_cache, kv_bytes_per_to
 from jaxserve.sampling import SamplerOutput, sample
 from jaxserve.step_inputs import ScheduledSeq, StepInputBuilder, StepInputs
 from jaxserve.tensor_parallel import TensorParallel
+from jaxserve.weights import lazy
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,8 @@ class ModelRunner:
                                                            platform)
         self.matmul_backend = resolve_matmul_backend(engine_cfg.matmul_backend, engine_cfg, platform)
         self.params = self._serving_params(params)
+        # What this process read of LazyTensor params (its devices' slices) out of the whole model's bytes
+        self.weight_bytes_read, self.weight_bytes_total = lazy.bytes_read(params), lazy.total_bytes(params)
         self.num_pages = self._num_pages()
         self.kv_cache = self._init_kv_cache()
         # What each device holds (all of it on one device): weights with rope tables and replicated norms
@@ -131,9 +134,14 @@ class ModelRunner:
             return self.parallel.place_params(params, to_serving, rope)
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
             return jax.eval_shape(to_serving, params) | jax.eval_shape(rope)
-        if all(device.platform == "cpu" for x in leaves for device in x.devices()):
+        on_host = [isinstance(x, lazy.LazyTensor) or all(d.platform == "cpu" for d in x.devices()) for x in leaves]
+        if all(on_host):  # a LazyTensor too: one device holds it all, so it is read whole
             return jax.tree.map(jnp.asarray, to_serving(jax.tree.map(np.asarray, params))) | rope()
         return jax.jit(to_serving)(params) | rope()
+
+    def describe_weights_read(self) -> str:
+        return (f"this process read {self.weight_bytes_read / 2**20:.1f} of the model's "
+                f"{self.weight_bytes_total / 2**20:.1f} MiB of weights")
 
     def _init_kv_cache(self):
         make = init_kv_cache if self.parallel is None else self.parallel.init_kv_cache

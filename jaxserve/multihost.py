@@ -172,9 +172,10 @@ def run_follower(model, cfg: EngineConfig, show_progress: bool = True) -> None:
     from jaxserve.model_runner import ModelRunner
     from jaxserve.weights import load_model
 
-    loaded = load_model(model, cfg.dtype)
+    loaded = load_model(model, cfg.dtype, lazy=True)  # only this process's slices are read
     runner = ModelRunner(loaded.config, cfg, loaded.params)
     runner.warmup(show_progress)
-    print(f"jaxserve: follower rank {cfg.node_rank} ready; connecting to the leader", file=sys.stderr, flush=True)
+    print(f"jaxserve: follower rank {cfg.node_rank} ready ({runner.describe_weights_read()}); connecting to the "
+          f"leader", file=sys.stderr, flush=True)
     with connect_to_leader(cfg) as conn:
         follow(runner, conn)

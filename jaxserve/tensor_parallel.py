@@ -8,15 +8,7 @@ with `axis=MODEL_AXIS`), and the only communication is written out: one all-redu
 after down_proj per layer, one after the embedding lookup, and in the sampler either a gather of
 per-device maxima (a greedy batch) or of the logits (anything else).
 
-Heads must split evenly with each device's query heads next to their own KV head. `HeadLayout` decides
-how, from the model's head counts (the JAX engines' two remedies):
-  - KV heads divide by tp: each device takes num_kv_heads / tp of them and their query groups;
-  - tp divides by the KV heads (fewer KV heads than devices): each KV head is replicated on
-    tp / num_kv_heads devices, which share its query group, padded with zero query heads if needed;
-  - otherwise the KV heads are padded with zero heads (and zero query groups) to a multiple of tp.
-A zero query head attends to zero values, and its o_proj rows are zero, so padding never changes the
-output. The MLP's intermediate size and the vocabulary are padded to multiples of tp the same way
-(padded logits are -inf for the sampler).
+Which heads each device holds, and how padding keeps the output unchanged, is `tp_layout.py`'s.
 
 The scheduler, page pool and server do not know about any of this: pages are logical, and each device
 holds its KV heads' part of every page.
@@ -24,7 +16,6 @@ holds its KV heads' part of every page.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Callable
 
@@ -39,105 +30,10 @@ from jaxserve.cpu_ffi import PackedWeight
 from jaxserve.models.params import MODEL_AXIS, param_specs
 from jaxserve.models.transformer import forward, init_kv_cache
 from jaxserve.sampling import SamplerOutput, SamplingTensors, argmax, no_logprobs, sample
+from jaxserve.tp_layout import HeadLayout, shard_params
 
 KV_SPEC = P(None, None, None, MODEL_AXIS, None)  # [num_layers, num_pages, page_size, KVH, D]: by KV head
 VOCAB_SPEC = P(None, MODEL_AXIS)  # logits [S, V]: by vocabulary
-
-
-@dataclasses.dataclass(frozen=True)
-class HeadLayout:
-    """Which of the model's heads sit where once split over `tp` devices.
-
-    q_heads[j] / kv_heads[j] is the model's head at position j of the padded head axis, None for a zero
-    head; device d holds positions [d * n / tp, (d + 1) * n / tp) of each.
-    """
-
-    tp: int
-    q_heads: tuple[int | None, ...]
-    kv_heads: tuple[int | None, ...]
-    intermediate_size: int  # padded to a multiple of tp
-    vocab_size: int  # padded to a multiple of tp
-
-    @classmethod
-    def for_model(cls, cfg: ModelConfig, tp: int) -> HeadLayout:
-        num_kv, group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
-        if num_kv % tp == 0:
-            kv, q = list(range(num_kv)), list(range(cfg.num_heads))
-        elif tp % num_kv == 0:  # each KV head on tp / num_kv devices, its query group split between them
-            replicas = tp // num_kv
-            per_device = -(-group // replicas)
-            kv, q = [], []
-            for device in range(tp):
-                kv_head, part = divmod(device, replicas)
-                kv.append(kv_head)
-                q += [kv_head * group + i if i < group else None
-                      for i in range(part * per_device, (part + 1) * per_device)]
-        else:  # zero KV heads (with zero query groups) up to a multiple of tp
-            padded = -(-num_kv // tp) * tp
-            kv = list(range(num_kv)) + [None] * (padded - num_kv)
-            q = list(range(cfg.num_heads)) + [None] * ((padded - num_kv) * group)
-        round_up = lambda n: -(-n // tp) * tp  # noqa: E731
-        return cls(tp, tuple(q), tuple(kv), round_up(cfg.intermediate_size), round_up(cfg.vocab_size))
-
-    def device_config(self, cfg: ModelConfig) -> ModelConfig:
-        """What one device's share of the model looks like: the config `forward` runs with under shard_map."""
-        return dataclasses.replace(cfg, num_heads=len(self.q_heads) // self.tp,
-                                   num_kv_heads=len(self.kv_heads) // self.tp,
-                                   intermediate_size=self.intermediate_size // self.tp,
-                                   vocab_size=self.vocab_size // self.tp)
-
-    def padded_config(self, cfg: ModelConfig) -> ModelConfig:
-        """The whole padded model (what `pad_params` returns the weights of)."""
-        return dataclasses.replace(cfg, num_heads=len(self.q_heads), num_kv_heads=len(self.kv_heads),
-                                   intermediate_size=self.intermediate_size, vocab_size=self.vocab_size)
-
-    def describe(self, cfg: ModelConfig) -> str:
-        """One line for the start-up log: what each device holds and what is padded or replicated."""
-        zero_q, zero_kv = self.q_heads.count(None), self.kv_heads.count(None)
-        replicated = len(self.kv_heads) - zero_kv - cfg.num_kv_heads
-        notes = [f"{zero_q} zero query heads" if zero_q else "",
-                 f"{zero_kv} zero KV heads" if zero_kv else "",
-                 f"KV heads replicated x{len(self.kv_heads) // cfg.num_kv_heads}" if replicated > 0 else "",
-                 f"intermediate padded by {self.intermediate_size - cfg.intermediate_size}"
-                 if self.intermediate_size != cfg.intermediate_size else "",
-                 f"vocabulary padded by {self.vocab_size - cfg.vocab_size}" if self.vocab_size != cfg.vocab_size else ""]
-        device = self.device_config(cfg)
-        held = f"{device.num_heads} query / {device.num_kv_heads} KV heads per device"
-        return ", ".join([held] + [n for n in notes if n])
-
-
-def _take_heads(x, heads: tuple[int | None, ...], axis: int, head_dim: int):
-    """x with its head axis `axis` (heads * head_dim wide) rebuilt from `heads` (None: a zero head)."""
-    xp = np if isinstance(x, np.ndarray) else jnp
-    x = xp.moveaxis(x, axis, -1)
-    split = x.reshape(*x.shape[:-1], -1, head_dim)
-    with_zero = xp.concatenate([split, xp.zeros_like(split[..., :1, :])], axis=-2)
-    zero = split.shape[-2]
-    taken = with_zero[..., [zero if h is None else h for h in heads], :]
-    return xp.moveaxis(taken.reshape(*x.shape[:-1], -1), -1, axis)
-
-
-def _pad_axis(x, axis: int, size: int):
-    xp = np if isinstance(x, np.ndarray) else jnp
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return xp.pad(x, widths)
-
-
-def pad_params(cfg: ModelConfig, layout: HeadLayout, params: dict) -> dict:
-    """The loaded params (models/params.py's layout) of `cfg` -> those of `layout.padded_config(cfg)`."""
-    layers, d = dict(params["layers"]), cfg.head_dim
-    for name, heads, axis in (("wq", layout.q_heads, 2), ("wk", layout.kv_heads, 2), ("wv", layout.kv_heads, 2),
-                              ("bq", layout.q_heads, 1), ("bk", layout.kv_heads, 1), ("bv", layout.kv_heads, 1),
-                              ("wo", layout.q_heads, 1)):
-        if name in layers:
-            layers[name] = _take_heads(layers[name], heads, axis, d)
-    for name, axis in (("w_gate", 2), ("w_up", 2), ("w_down", 1)):
-        layers[name] = _pad_axis(layers[name], axis, layout.intermediate_size)
-    out = dict(params, layers=layers, embed=_pad_axis(params["embed"], 0, layout.vocab_size))
-    if "lm_head" in params:
-        out["lm_head"] = _pad_axis(params["lm_head"], 1, layout.vocab_size)
-    return out
 
 
 # serving_params' fused matrices take the spec of their parts; a packed matrix's data is
@@ -183,26 +79,35 @@ class TensorParallel:
         return self.layout.describe(self.model_cfg)
 
     def place_params(self, params, to_serving: Callable, rope: Callable[[], dict]) -> dict:
-        """The loaded params -> the padded model's in forward's layout (`to_serving`, a partial of
-        `serving_params`, laid out shard by shard) plus the rope tables, placed on the mesh by their
-        PartitionSpecs. Shapes in, shapes out (check-lowering)."""
-        to_serving = functools.partial(to_serving.func, self.padded_cfg, **to_serving.keywords,
-                                       num_shards=self.layout.tp)
+        """The loaded params (arrays, LazyTensors or shapes) -> the padded model's in forward's layout
+        (`to_serving`, a partial of `serving_params`) plus the rope tables, placed on the mesh by their
+        PartitionSpecs. Each of this process's devices gets the serving params of its own part
+        (`shard_params`), built on the host one device at a time: a LazyTensor is read only where this
+        process's devices need it, and no process holds the whole model. Shapes in, shapes out."""
+        to_serving = functools.partial(to_serving.func, self.device_cfg, **to_serving.keywords)
 
-        def build(params):
-            return to_serving(pad_params(self.model_cfg, self.layout, params)) | rope()
+        def build(params, shard: int):
+            return to_serving(shard_params(self.model_cfg, self.layout, params, shard))
 
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        local = jax.eval_shape(functools.partial(build, shard=0), abstract)
+        self.param_specs = serving_specs(self.device_cfg, local | jax.eval_shape(rope))
+        specs = {name: spec for name, spec in self.param_specs.items() if name in local}
+        whole = jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(_global_shape(x.shape, spec, self.layout.tp),
+                                                                  x.dtype), local, specs)
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
-            serving = jax.eval_shape(build, params)
-            self.param_specs = serving_specs(self.padded_cfg, serving)
-            return serving
-        serving = build(jax.tree.map(np.asarray, params))
-        self.param_specs = serving_specs(self.padded_cfg, serving)
-
-        def place(x: np.ndarray, sharding: NamedSharding):  # each device gets only its slice; over several
-            return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])  # hosts, only ours
-
-        return jax.tree.map(place, serving, shardings(self.mesh, self.param_specs))
+            return whole | jax.eval_shape(rope)
+        pieces = []  # per device of this process: its serving params' leaves, on it
+        for shard, device in enumerate(self.mesh.devices.flat):
+            if device.process_index == jax.process_index():
+                pieces.append([jax.device_put(x, device) for x in jax.tree.leaves(build(params, shard))])
+        placed = [jax.make_array_from_single_device_arrays(x.shape, sharding, list(on_devices))
+                  for x, sharding, *on_devices in zip(jax.tree.leaves(whole),
+                                                      jax.tree.leaves(shardings(self.mesh, specs)), *pieces)]
+        replicated = NamedSharding(self.mesh, P())
+        tables = jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, replicated, lambda index: x[index]),
+                              jax.tree.map(np.asarray, rope()))
+        return jax.tree.unflatten(jax.tree.structure(whole), placed) | tables
 
     def init_kv_cache(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype):
         """The padded model's KV page arrays, created on the mesh split by KV head."""
@@ -259,6 +164,11 @@ def make_mesh(tp: int) -> Mesh:
         raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices; JAX sees {len(devices)} "
                          f"{devices[0].platform} device(s){hint}")
     return Mesh(np.asarray(devices[:tp]), (MODEL_AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _global_shape(shape: tuple[int, ...], spec: P, tp: int) -> tuple[int, ...]:
+    """The whole array's shape from one device's part of it, split as `spec` says."""
+    return tuple(n * tp if axis == MODEL_AXIS else n for n, axis in zip(shape, (*spec, *[None] * len(shape))))
 
 
 def shardings(mesh: Mesh, specs):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -60,7 +61,10 @@ def test_two_processes_serve_the_default_model_and_a_dead_follower_fails_fast():
                                json={"prompt": prompt, "max_tokens": 24, "temperature": 0})
             assert reply.status_code == 200, reply.text
             assert reply.json()["choices"][0]["text"] == want, prompt
-        assert "tensor parallel over 2 cpu devices" in leader.stderr_tail(20_000)
+        log = leader.stderr_tail(20_000)
+        assert "tensor parallel over 2 cpu devices" in log
+        read, total = map(float, re.search(r"this process read ([\d.]+) of the model's ([\d.]+) MiB", log).groups())
+        assert 0.4 * total < read < 0.6 * total, "a process must read only its own device's half of the weights"
 
         # A long stream is running when the follower dies: the stream ends (with an error), /health turns 503.
         ended = threading.Event()

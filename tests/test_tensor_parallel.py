@@ -24,7 +24,7 @@ from jaxserve.model_runner import ModelRunner
 from jaxserve.models.params import param_specs
 from jaxserve.models.transformer import forward
 from jaxserve.step_inputs import StepInputs
-from jaxserve.tensor_parallel import HeadLayout
+from jaxserve.tp_layout import HeadLayout
 from jaxserve.weights import load_model
 from paged_helpers import SeqChunk, assign_pages, make_batch
 

@@ -7,7 +7,8 @@ names the file and the problem. `jaxserve convert` writes the orbax checkpoint t
 
 This module resolves a path to its source and is the package's public API; each source has its own
 module: `hf.py` (Hugging Face names and directories, and the builder every source goes through),
-`gguf.py`, `orbax.py`, `cache.py` (what a GGUF's first load leaves for later ones) and `loaded.py`.
+`gguf.py`, `orbax.py`, `cache.py` (what a GGUF's first load leaves for later ones), `loaded.py`, and
+`lazy.py` (params read slice by slice, for tensor parallelism).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from jaxserve.config import ModelLoadError
 from jaxserve.weights.gguf import gguf_tensor_types, load_gguf, load_gguf_tokenizer
 from jaxserve.weights.hf import load_hf_dir, load_tokenizer_dir
+from jaxserve.weights.lazy import LazyTensor
 from jaxserve.weights.loaded import CHECKPOINT_MARKER, LoadedModel
 from jaxserve.weights.orbax import is_checkpoint, load_checkpoint, save_checkpoint
 
@@ -26,6 +28,7 @@ __all__ = [
     "CHECKPOINT_MARKER",
     "DEFAULT_MODEL_FILE",
     "DEFAULT_MODEL_PACKAGE",
+    "LazyTensor",
     "LoadedModel",
     "default_model_path",
     "gguf_tensor_types",
@@ -50,25 +53,26 @@ def default_model_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
 
 
-def load_model(model: str | os.PathLike | None = None, dtype: str = "float32") -> LoadedModel:
-    """Loads a model directory or file; None means the default model."""
+def load_model(model: str | os.PathLike | None = None, dtype: str = "float32", lazy: bool = False) -> LoadedModel:
+    """Loads a model directory or file; None means the default model. lazy: the params are
+    LazyTensors (`lazy.py`) read only where indexed, so a process can take just its devices' slices."""
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist")
     if is_checkpoint(path):
-        return load_checkpoint(path, dtype)
+        return load_checkpoint(path, dtype, lazy)
     gguf_files = [path] if path.is_file() else sorted(path.glob("*.gguf"))
     if path.is_file() and path.suffix != ".gguf":
         raise ModelLoadError(f"{str(path)!r} is a file but not a .gguf file; pass a model directory or a GGUF file")
     if path.is_dir() and not (path / "config.json").exists():
         if len(gguf_files) == 1:
-            return load_gguf(gguf_files[0], dtype)
+            return load_gguf(gguf_files[0], dtype, lazy)
         raise ModelLoadError(
             f"{str(path)!r} has no config.json (nor a single .gguf file): not a Hugging Face model directory"
         )
     if path.is_file():
-        return load_gguf(path, dtype)
-    return load_hf_dir(path, dtype)
+        return load_gguf(path, dtype, lazy)
+    return load_hf_dir(path, dtype, lazy)
 
 
 def load_tokenizer(model: str | os.PathLike | None = None):

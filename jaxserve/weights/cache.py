@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 
 from jaxserve.config import ModelConfig, ModelLoadError
-from jaxserve.weights.hf import load_tokenizer_dir
+from jaxserve.weights.hf import SafetensorsFiles, load_tokenizer_dir
 from jaxserve.weights.loaded import CHECKPOINT_MARKER, LoadedModel, config_from_dict
 
 CONVERTED_FORMAT = 1  # bump when the params layout or the conversion changes
@@ -73,8 +73,9 @@ def converted_model_dir(path: Path, dtype: str) -> Path | None:
     return root / f"{path.stem}-{dtype}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def load_converted(cached: Path) -> tuple[ModelConfig, dict] | None:
-    """The cached config and params, or None when there is no complete, readable entry."""
+def load_converted(cached: Path, dtype: str, lazy: bool = False) -> tuple[ModelConfig, dict] | None:
+    """The cached config and params (of `dtype`, part of the entry's key), or None when there is no
+    complete, readable entry. lazy: the params are LazyTensors reading slices of its safetensors file."""
     from safetensors import SafetensorError
     from safetensors.flax import load_file
 
@@ -82,8 +83,12 @@ def load_converted(cached: Path) -> tuple[ModelConfig, dict] | None:
         return None
     try:
         cfg = config_from_dict(json.loads((cached / CHECKPOINT_MARKER).read_text())["config"])
-        flat = load_file(cached / "params.safetensors")
-    except (OSError, ValueError, KeyError, TypeError, SafetensorError):
+        if lazy:
+            files = SafetensorsFiles(lambda name: cached / "params.safetensors")
+            flat = {name: files.lazy(name, dtype) for name in files.names(cached / "params.safetensors")}
+        else:
+            flat = load_file(cached / "params.safetensors")
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError, ModelLoadError):
         return None  # damaged: the caller converts again and overwrites it
     params: dict = {}
     for name, array in flat.items():

@@ -19,6 +19,7 @@ import numpy as np
 from jaxserve.config import ModelConfig, ModelLoadError
 from jaxserve.weights import cache
 from jaxserve.weights.hf import load_tokenizer_dir, params_from_hf
+from jaxserve.weights.lazy import LazyTensor
 from jaxserve.weights.loaded import LoadedModel
 
 GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
@@ -81,20 +82,22 @@ def gguf_tensor_types() -> tuple[str, ...]:
     return tuple(names)
 
 
-def load_gguf(path: Path, dtype: str) -> LoadedModel:
-    """Reads a GGUF file, or the converted copy of it that an earlier load left in the model cache."""
+def load_gguf(path: Path, dtype: str, lazy: bool = False) -> LoadedModel:
+    """Reads a GGUF file, or the converted copy of it that an earlier load left in the model cache.
+    lazy: LazyTensor params, which read slices of the converted copy, or else dequantize their GGUF
+    tensor and slice it (a lazy load writes no converted copy: that needs the whole model at once)."""
     cached = cache.converted_model_dir(path, dtype)
-    converted = cache.load_converted(cached) if cached is not None else None
+    converted = cache.load_converted(cached, dtype, lazy) if cached is not None else None
     if converted is not None:
         cfg, params = converted
         return LoadedModel(cfg, params, load_gguf_tokenizer(path), str(path))
-    loaded = _convert(path, dtype)
-    if cached is not None:
+    loaded = _convert(path, dtype, lazy)
+    if cached is not None and not lazy:
         cache.save_converted(loaded, cached)
     return loaded
 
 
-def _convert(path: Path, dtype: str) -> LoadedModel:
+def _convert(path: Path, dtype: str, lazy: bool) -> LoadedModel:
     import gguf
     from transformers import AutoConfig
 
@@ -143,7 +146,13 @@ def _convert(path: Path, dtype: str) -> LoadedModel:
             array = array - 1.0  # llama.cpp stores Gemma norms with the +1 already added
         return array
 
-    params = params_from_hf(cfg, get, dtype, desc=f"loading {path.name}")
+    def get_lazy(name: str) -> LazyTensor:
+        if name not in tensors:
+            raise ModelLoadError(f"tensor for {name!r} is missing from GGUF file {str(path)!r}")
+        shape = tuple(reversed([int(d) for d in tensors[name].shape]))
+        return LazyTensor(shape, np.float32, lambda index: get(name)[index])
+
+    params = params_from_hf(cfg, get_lazy if lazy else get, dtype, desc=f"loading {path.name}")
     return LoadedModel(cfg, params, load_gguf_tokenizer(path), str(path))
 
 

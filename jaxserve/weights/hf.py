@@ -20,6 +20,8 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import ModelConfig, ModelLoadError
 from jaxserve.models.params import param_shapes
+from jaxserve.weights import lazy
+from jaxserve.weights.lazy import LazyTensor
 from jaxserve.weights.loaded import LoadedModel
 
 HF_GLOBAL_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
@@ -80,16 +82,25 @@ def to_hf(cfg: ModelConfig, name: str, array) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
-def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype: str, desc: str) -> dict:
-    """Builds the params pytree; `get(name)` returns a Hugging Face tensor in torch layout."""
+def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray | LazyTensor], dtype: str, desc: str) -> dict:
+    """Builds the params pytree; `get(name)` returns a Hugging Face tensor in torch layout, or a
+    LazyTensor of it, which makes the param lazy too (read where it is indexed, `lazy.py`)."""
     shapes = param_shapes(cfg)
 
-    def convert(name: str, hf_name: str, shape: tuple[int, ...]) -> jnp.ndarray:
-        array = from_hf(cfg, name, get(hf_name))
+    def convert(name: str, hf_name: str, shape: tuple[int, ...]):
+        source = get(hf_name)
+        if isinstance(source, LazyTensor):
+            array = lazy.converted(source.shape, dtype, source.__getitem__, transpose=_is_torch_linear(name),
+                                   offset=_norm_offset(cfg) if "norm" in name else 0.0)
+        else:
+            array = from_hf(cfg, name, source).astype(dtype)
         if array.shape != shape:
             raise ModelLoadError(f"tensor {hf_name!r} gives {name} the shape {tuple(array.shape)}, "
                                  f"where the model's config implies {shape}")
-        return array.astype(dtype)
+        return array
+
+    def stack(arrays: list):
+        return lazy.stacked(arrays) if isinstance(arrays[0], LazyTensor) else jnp.stack(arrays)
 
     layer_names = hf_layer_names(cfg)
     layers = {name: [] for name in layer_names}
@@ -97,13 +108,13 @@ def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray], dtype: st
         for name, hf_name in layer_names.items():
             layers[name].append(convert(name, f"model.layers.{i}.{hf_name}", shapes["layers"][name][1:]))
     params = {name: convert(name, HF_GLOBAL_NAMES[name], shape) for name, shape in shapes.items() if name != "layers"}
-    params["layers"] = {name: jnp.stack(arrays) for name, arrays in layers.items()}
+    params["layers"] = {name: stack(arrays) for name, arrays in layers.items()}
     return params
 
 
-def load_hf_dir(path: Path, dtype: str) -> LoadedModel:
-    """A Hugging Face model directory: config.json, safetensors (single or sharded), tokenizer files."""
-    from safetensors import SafetensorError, safe_open
+def load_hf_dir(path: Path, dtype: str, lazy: bool = False) -> LoadedModel:
+    """A Hugging Face model directory: config.json, safetensors (single or sharded), tokenizer files.
+    lazy: the params are LazyTensors that read safetensors slices where they are indexed."""
     from transformers import AutoConfig
 
     try:
@@ -119,26 +130,61 @@ def load_hf_dir(path: Path, dtype: str) -> LoadedModel:
         weight_map = None
     else:
         raise ModelLoadError(f"{str(path)!r} has no model.safetensors or model.safetensors.index.json")
-    handles = {}
+    if weight_map is not None:
+        missing = [name for name in hf_names(cfg) if name not in weight_map]
+        if missing:
+            raise ModelLoadError(f"tensor {missing[0]!r} is missing from {str(index_file)!r}")
+    files = SafetensorsFiles(lambda name: path / (weight_map[name] if weight_map else "model.safetensors"))
+    params = params_from_hf(cfg, files.lazy if lazy else files.get, dtype, desc=f"loading {path.name}")
+    return LoadedModel(cfg, params, load_tokenizer_dir(path), str(path))
 
-    def get(name: str):
-        file = path / (weight_map[name] if weight_map else "model.safetensors")
-        if weight_map is not None and name not in weight_map:
-            raise ModelLoadError(f"tensor {name!r} is missing from {str(index_file)!r}")
+
+def hf_names(cfg: ModelConfig) -> list[str]:
+    """The Hugging Face name of every tensor the params of `cfg` are built from."""
+    layers = [f"model.layers.{i}.{name}" for i in range(cfg.num_layers) for name in hf_layer_names(cfg).values()]
+    return [HF_GLOBAL_NAMES[name] for name in param_shapes(cfg) if name != "layers"] + layers
+
+
+class SafetensorsFiles:
+    """Tensors by name from safetensors files (`file_of(name)`, opened once each): whole (`get`) or as
+    LazyTensors reading slices (`lazy`). Anything unreadable is a ModelLoadError naming the file."""
+
+    def __init__(self, file_of: Callable[[str], Path]):
+        self.file_of, self.handles = file_of, {}
+
+    def _open(self, file: Path):
+        from safetensors import safe_open
+
+        if file not in self.handles:
+            self.handles[file] = self._guard(file, lambda: safe_open(file, framework="flax"))
+        return self.handles[file]
+
+    def _handle(self, name: str):
+        file = self.file_of(name)
+        if name not in self._open(file).keys():
+            raise ModelLoadError(f"tensor {name!r} is missing from {str(file)!r}")
+        return file, self._open(file)
+
+    def names(self, file: Path) -> list[str]:
+        return list(self._open(file).keys())
+
+    @staticmethod
+    def _guard(file: Path, read: Callable):
+        from safetensors import SafetensorError
+
         try:
-            if file not in handles:
-                handles[file] = safe_open(file, framework="flax")
-            handle = handles[file]
-            if name not in handle.keys():
-                raise ModelLoadError(f"tensor {name!r} is missing from {str(file)!r}")
-            return handle.get_tensor(name)
+            return read()
         except (SafetensorError, OSError, ValueError) as e:
-            if isinstance(e, ModelLoadError):
-                raise
             raise ModelLoadError(f"cannot read {str(file)!r} (truncated or corrupt safetensors?): {e}") from None
 
-    params = params_from_hf(cfg, get, dtype, desc=f"loading {path.name}")
-    return LoadedModel(cfg, params, load_tokenizer_dir(path), str(path))
+    def get(self, name: str):
+        file, handle = self._handle(name)
+        return self._guard(file, lambda: handle.get_tensor(name))
+
+    def lazy(self, name: str, dtype=np.float32) -> LazyTensor:
+        file, handle = self._handle(name)
+        tensor = self._guard(file, lambda: handle.get_slice(name))
+        return LazyTensor(tensor.get_shape(), dtype, lambda index: self._guard(file, lambda: tensor[index]))
 
 
 def load_tokenizer_dir(path: Path, *, fast: bool = False, **kwargs):

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelLoadError
 from jaxserve.weights.hf import load_tokenizer_dir
+from jaxserve.weights.lazy import LazyTensor
 from jaxserve.weights.loaded import CHECKPOINT_MARKER, LoadedModel, config_from_dict
 
 
@@ -37,18 +38,43 @@ def save_checkpoint(loaded: LoadedModel, dst: str | os.PathLike) -> Path:
     return dst
 
 
-def load_checkpoint(path: Path, dtype: str) -> LoadedModel:
+def load_checkpoint(path: Path, dtype: str, lazy: bool = False) -> LoadedModel:
+    """lazy: the params are LazyTensors that read slices of the stored arrays (through tensorstore,
+    which orbax stores them with), so a process reads only what its devices hold."""
     import orbax.checkpoint as ocp
 
     meta = json.loads((path / CHECKPOINT_MARKER).read_text())
     cfg = config_from_dict(meta["config"])
     try:
         with ocp.StandardCheckpointer() as checkpointer:
-            params = checkpointer.restore(path.resolve() / "params")
+            if lazy:
+                stored = checkpointer.metadata(path.resolve() / "params").item_metadata
+                params = _lazy_tree(stored.tree, path.resolve() / "params", stored.use_zarr3, dtype)
+            else:
+                params = _tree_cast(checkpointer.restore(path.resolve() / "params"), dtype)
     except Exception as e:
         raise ModelLoadError(f"cannot restore the jaxserve checkpoint in {str(path)!r}: {e}") from None
-    params = _tree_cast(params, dtype)
     return LoadedModel(cfg, params, load_tokenizer_dir(path), meta.get("source", str(path)))
+
+
+def _lazy_tree(tree, directory: Path, use_zarr3: bool, dtype: str):
+    """orbax's metadata tree (ArrayMetadata leaves) -> LazyTensors reading each array's slices."""
+    if isinstance(tree, dict):
+        return {k: _lazy_tree(v, directory, use_zarr3, dtype) for k, v in tree.items()}
+    import tensorstore as ts
+
+    spec = {"driver": "zarr3" if use_zarr3 else "zarr",
+            "kvstore": {"driver": "ocdbt", "base": f"file://{directory}", "path": tree.name}}
+    stored = ts.open(spec, open=True, read=True).result()
+
+    def read(index):
+        try:
+            return stored[index].read().result()
+        except Exception as e:
+            raise ModelLoadError(f"cannot read {tree.name!r} from the jaxserve checkpoint in "
+                                 f"{str(directory.parent)!r}: {e}") from None
+
+    return LazyTensor(tree.shape, dtype, read)
 
 
 def _tree_cast(tree, dtype: str):
