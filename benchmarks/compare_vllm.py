@@ -123,13 +123,13 @@ def export_model(dst: Path) -> Path:
 
 
 @contextlib.contextmanager
-def server(name: str, cmd: list[str], port: int, log_path: Path, env: dict | None = None):
+def server(name: str, cmd: list[str], port: int, log_path: Path, env: dict | None = None, cwd: Path | None = None):
     """A server process ready on port; env's None values unset a variable of this process's environment."""
     log(f"starting {name}: {' '.join(cmd)}")
     start = time.perf_counter()
     with open(log_path, "w") as log_file:
         merged = {key: value for key, value in {**os.environ, **(env or {})}.items() if value is not None}
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=merged)
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=merged, cwd=cwd)
         try:
             while True:
                 if proc.poll() is not None:
