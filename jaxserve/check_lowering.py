@@ -4,12 +4,18 @@ Lowering needs no GPU: each bucket's whole step function (forward pass, attentio
 is traced with ShapeDtypeStructs and lowered with `lowering_platforms=(platform,)`, which for Pallas
 Mosaic GPU kernels runs their compiler down to NVVM. What this cannot check is PTX assembly, loading
 and running, which happen only on a GPU. Params are shapes only: no weights are needed.
+
+Each result also counts the step's control flow outside kernels (`stablehlo.while`, `case`, `if` in
+the lowered module; a kernel is one custom call there): on a GPU each one makes the device wait for
+the host to read its predicate, so a CUDA step must have none. `--dump DIR` writes every module.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +37,19 @@ class LoweringResult:
     seconds: float
     custom_calls: dict[str, int] = dataclasses.field(default_factory=dict)
     kernels: list = dataclasses.field(default_factory=list)  # pallas_kernels.lowering.LoweredKernel
+    control_flow: dict[str, int] = dataclasses.field(default_factory=dict)  # op -> count, outside kernels
     error: str = ""
+
+
+CONTROL_FLOW = re.compile(r"\bstablehlo\.(while|case|if)\b")
+
+
+def control_flow_ops(module_text: str) -> dict[str, int]:
+    """stablehlo.while / case / if ops in a lowered module's text -> how many of each."""
+    counts: dict[str, int] = {}
+    for match in CONTROL_FLOW.finditer(module_text):
+        counts[match.group(0)] = counts.get(match.group(0), 0) + 1
+    return counts
 
 
 def param_shapes(cfg: ModelConfig, dtype) -> dict:
@@ -41,8 +59,9 @@ def param_shapes(cfg: ModelConfig, dtype) -> dict:
 
 
 def check_lowering(model_cfg: ModelConfig, engine_cfg: EngineConfig, params=None,
-                   platform: str = "cuda") -> list[LoweringResult]:
+                   platform: str = "cuda", dump_dir: str | Path | None = None) -> list[LoweringResult]:
     """Lowers every bucket of both entry points for `platform`; one result per bucket, failures included.
+    dump_dir: each module's text is written there as `{entry}-{bucket}.mlir`.
 
     Raises ValueError (before lowering anything) if an explicit Pallas backend cannot run the model.
     """
@@ -62,6 +81,11 @@ def check_lowering(model_cfg: ModelConfig, engine_cfg: EngineConfig, params=None
                 lowered = runner.lower(kind, bucket, platforms=(platform,))
                 result.custom_calls = dict(custom_call_targets(lowered))
                 result.kernels = mosaic_kernels(lowered)
+                text = lowered.as_text()
+                result.control_flow = control_flow_ops(text)
+                if dump_dir is not None:
+                    Path(dump_dir).mkdir(parents=True, exist_ok=True)
+                    (Path(dump_dir) / f"{kind}-{bucket}.mlir").write_text(text)
                 result.ok = True
             except Exception as e:  # report every bucket, whatever breaks
                 result.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
@@ -78,7 +102,8 @@ def format_results(results: list[LoweringResult], platform: str) -> str:
             kernels = "; ".join(f"{k.name} ({'wgmma' if k.uses_wgmma else 'no wgmma'}, "
                                 f"{'TMA' if k.uses_tma else 'no TMA'})" for k in r.kernels)
             calls = ", ".join(f"{name} x{n}" for name, n in sorted(r.custom_calls.items())) or "none"
-            detail = calls + (f": {kernels}" if kernels else "")
+            flow = ", ".join(f"{op} x{n}" for op, n in sorted(r.control_flow.items())) or "none"
+            detail = calls + (f": {kernels}" if kernels else "") + f"; control flow outside kernels: {flow}"
         else:
             detail = r.error
         rows.append((r.kind, str(r.bucket), r.attention_backend, "ok" if r.ok else "FAILED", f"{r.seconds:.1f}",

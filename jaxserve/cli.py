@@ -93,7 +93,7 @@ def cmd_check_lowering(args: argparse.Namespace) -> None:
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), loaded.params)
     del loaded
     results = check_lowering(model_cfg, engine_cfg.for_model(model_cfg.max_position_embeddings), params,
-                             platform=args.platform)
+                             platform=args.platform, dump_dir=args.dump)
     print(format_results(results, args.platform))
     if not all(r.ok for r in results):
         sys.exit(1)
@@ -135,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     lower = sub.add_parser("check-lowering", help="lower every bucket's step functions for a platform (no GPU needed)")
     add_engine_flags(lower, positional_model=True)
     lower.add_argument("--platform", default="cuda", choices=["cuda", "cpu"], help="the platform to lower for")
+    lower.add_argument("--dump", default=None, metavar="DIR", help="write each step's lowered module to DIR")
     lower.set_defaults(func=cmd_check_lowering)
     return parser
 

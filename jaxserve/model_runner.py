@@ -71,12 +71,12 @@ def pick_bucket(buckets: list[int], size: int) -> int:
 
 
 def _step(params, kv_cache, inputs: StepInputs, *, cfg: ModelConfig, q_tile: int, kv_tile: int,
-          attention_backend: str, decode_only: bool = False):
+          attention_backend: str, decode_only: bool = False, sampler_branches: bool = True):
     logits, kv_cache = forward(
         params, cfg, inputs.token_ids, inputs.positions, kv_cache, inputs.md, inputs.logits_indices,
         q_tile=q_tile, kv_tile=kv_tile, attention_backend=attention_backend, decode_only=decode_only,
     )
-    return sample(logits, inputs.sampling), kv_cache
+    return sample(logits, inputs.sampling, sampler_branches), kv_cache
 
 
 class ModelRunner:
@@ -106,8 +106,10 @@ class ModelRunner:
         jit = functools.partial(jax.jit, donate_argnums=1)
         if self.parallel:
             step, jit = self.parallel.step, self.parallel.jit
+        # On a GPU the sampler selects instead of branching: a branch there waits for the host (sampling.py).
+        self.sampler_branches = (platform or jax.default_backend()) != "gpu"
         step = functools.partial(step, kv_tile=min(engine_cfg.kv_tile, engine_cfg.max_model_len),
-                                 attention_backend=self.attention_backend)
+                                 attention_backend=self.attention_backend, sampler_branches=self.sampler_branches)
         self._prefill = jit(functools.partial(step, q_tile=engine_cfg.prefill_query_tile))
         self._decode = jit(functools.partial(step, q_tile=1, decode_only=True))
         self._executables: dict[tuple[str, int], object] = {}

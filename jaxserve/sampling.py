@@ -3,7 +3,9 @@
 Every per-request setting reaches the device as a per-row array, never as a static argument, so
 greedy and random rows, top-k/top-p/min-p, penalties and logit biases share one executable per
 bucket; optional work (penalties, truncation, logprobs) sits behind `lax.cond` on whether any row
-asked for it. A row's random key is derived from its request's seed and the position of the token
+asked for it. On a GPU a `lax.cond` on device data makes XLA copy the predicate to the host and wait
+before it can go on, so there (`branches=False`) every part runs and a select keeps what the rows asked
+for: the same tokens, no host round trip inside the step. A row's random key is derived from its request's seed and the position of the token
 being sampled, so a seeded request samples the same tokens whatever else shares its batch.
 
 Logprobs are the log-softmax of the model's raw logits (before penalties, biases, temperature and
@@ -146,8 +148,17 @@ def apply_penalties(logits, t: SamplingTensors):
     return logits - t.frequency_penalty[:, None] * counts - t.presence_penalty[:, None] * (counts > 0)
 
 
-def _bisect(lo, hi, holds):
-    """Largest x in [lo, hi] (per row, to float precision) with holds(x), given holds(lo) and monotone."""
+def choose(branches: bool, pred, on_true, on_false, *operands):
+    """`lax.cond(pred, on_true, on_false, *operands)` where `branches`; otherwise both sides run and
+    `pred` selects between their results, so no predicate has to reach the host."""
+    if branches:
+        return jax.lax.cond(pred, on_true, on_false, *operands)
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true(*operands), on_false(*operands))
+
+
+def _bisect(lo, hi, holds, unroll: bool = False):
+    """Largest x in [lo, hi] (per row, to float precision) with holds(x), given holds(lo) and monotone.
+    unroll: the steps are written out instead of looped (no loop for a GPU to test on the host)."""
 
     def step(_, bounds):
         lo, hi = bounds
@@ -155,11 +166,11 @@ def _bisect(lo, hi, holds):
         ok = holds(mid)
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
-    lo, hi = jax.lax.fori_loop(0, _BISECT_STEPS, step, (lo, hi))
+    lo, hi = jax.lax.fori_loop(0, _BISECT_STEPS, step, (lo, hi), unroll=unroll)
     return jnp.where(holds(hi), hi, lo)  # `hi` itself may be a logit value that qualifies
 
 
-def _truncation_threshold(scaled, probs, top_k, top_p):
+def _truncation_threshold(scaled, probs, top_k, top_p, unroll: bool = False):
     """Per row, the logit threshold of top-k, then top-p within the renormalized top-k set.
 
     Bisections over logit values instead of a full-vocabulary sort, which XLA:CPU runs far slower.
@@ -169,10 +180,11 @@ def _truncation_threshold(scaled, probs, top_k, top_p):
     lo = jnp.min(jnp.where(finite, scaled, jnp.inf), axis=-1, keepdims=True)  # keeps every finite logit
     hi = jnp.max(scaled, axis=-1, keepdims=True)  # the top token is always kept
     k = jnp.where(top_k > 0, top_k, scaled.shape[-1])[:, None]
-    top_k_threshold = _bisect(lo, hi, lambda x: (scaled >= x).sum(-1, keepdims=True) >= k)
+    top_k_threshold = _bisect(lo, hi, lambda x: (scaled >= x).sum(-1, keepdims=True) >= k, unroll)
     top_k_mass = (probs * (scaled >= top_k_threshold)).sum(-1, keepdims=True)
     target = top_p[:, None] * top_k_mass * (1 - 1e-6)
-    top_p_threshold = _bisect(lo, hi, lambda x: (probs * (scaled >= x)).sum(-1, keepdims=True) >= target)
+    top_p_threshold = _bisect(lo, hi, lambda x: (probs * (scaled >= x)).sum(-1, keepdims=True) >= target,
+                              unroll)
     threshold = jnp.maximum(top_k_threshold, top_p_threshold)
     off = ((top_k <= 0) & (top_p >= 1.0))[:, None]
     return jnp.where(off, -jnp.inf, threshold)
@@ -234,7 +246,7 @@ def _nonzero_span(x):
     return jnp.argmax(positive, axis=-1), x.shape[-1] - 1 - jnp.argmax(positive[:, ::-1], axis=-1)
 
 
-def _sample_random(processed, t: SamplingTensors):
+def _sample_random(processed, t: SamplingTensors, branches: bool = True):
     """Temperature, min-p, top-k and top-p, then one uniform draw per row, inverted through the kept
     probabilities' running sum: [S] token ids. (A Gumbel-max draw needs a random number per vocabulary
     entry, which costs far more on a CPU.)"""
@@ -243,9 +255,10 @@ def _sample_random(processed, t: SamplingTensors):
     probs = jax.nn.softmax(scaled, axis=-1)
     keep = probs >= t.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
     probs = jnp.where(keep, probs, 0.0)  # top-p counts mass after min-p, as vLLM does
-    threshold = jax.lax.cond(
-        jnp.any((t.top_k > 0) | (t.top_p < 1.0)),
-        _truncation_threshold, lambda s, p, k, tp: jnp.full((num_seqs, 1), -jnp.inf),
+    threshold = choose(
+        branches, jnp.any((t.top_k > 0) | (t.top_p < 1.0)),
+        lambda s, p, k, tp: _truncation_threshold(s, p, k, tp, unroll=not branches),
+        lambda s, p, k, tp: jnp.full((num_seqs, 1), -jnp.inf),
         scaled, probs, t.top_k, t.top_p,
     )
     probs = jnp.where(scaled >= threshold, probs, 0.0)
@@ -262,12 +275,13 @@ def no_logprobs(num_seqs: int, dtype):
             jnp.zeros((num_seqs, MAX_LOGPROBS), dtype))
 
 
-def sample(logits, t: SamplingTensors) -> SamplerOutput:
+def sample(logits, t: SamplingTensors, branches: bool = True) -> SamplerOutput:
     """Samples one token per row from logits [S, vocab] f32.
 
     A batch of greedy rows with no penalties and no logit bias (the common serving case) takes the argmax
     of the logits and nothing else; otherwise the penalties, the bias and the random draw each run only
     when a row asks for them, and so do logprobs, which are of the raw logits, as vLLM reports them.
+    branches=False (a GPU): every part runs and selects replace the branches (`choose`); same tokens.
     """
     num_seqs = logits.shape[0]
     uses_penalties = jnp.any((t.presence_penalty != 0) | (t.frequency_penalty != 0) | (t.repetition_penalty != 1))
@@ -276,19 +290,21 @@ def sample(logits, t: SamplingTensors) -> SamplerOutput:
 
     def processed_tokens():
         rows = jnp.arange(num_seqs)[:, None]
-        processed = jax.lax.cond(uses_penalties, apply_penalties, lambda logits, t: logits, logits, t)
-        processed = jax.lax.cond(
-            uses_bias, lambda p: p.at[rows, t.bias_ids].add(t.bias_values, mode="drop"), lambda p: p, processed,
+        processed = choose(branches, uses_penalties, apply_penalties, lambda logits, t: logits, logits, t)
+        processed = choose(
+            branches, uses_bias, lambda p: p.at[rows, t.bias_ids].add(t.bias_values, mode="drop"), lambda p: p,
+            processed,
         )
         greedy = argmax(processed)
-        return jax.lax.cond(
-            uses_random, lambda: jnp.where(t.temperature > 0, _sample_random(processed, t), greedy), lambda: greedy,
+        return choose(
+            branches, uses_random,
+            lambda: jnp.where(t.temperature > 0, _sample_random(processed, t, branches), greedy), lambda: greedy,
         )
 
     # The branches return token ids only: a branch that handed the logits through unchanged would copy
     # them, [S, vocab] float32, in every step that takes it.
-    tokens = jax.lax.cond(uses_penalties | uses_bias | uses_random, processed_tokens,
-                          lambda: argmax(logits)).astype(jnp.int32)
+    tokens = choose(branches, uses_penalties | uses_bias | uses_random, processed_tokens,
+                    lambda: argmax(logits)).astype(jnp.int32)
 
     def logprobs():
         log_normalizer = jax.nn.logsumexp(logits, axis=-1)
@@ -296,6 +312,6 @@ def sample(logits, t: SamplingTensors) -> SamplerOutput:
         top_logprobs, top_ids = jax.lax.top_k(logits - log_normalizer[:, None], MAX_LOGPROBS)
         return token_logprobs, top_ids.astype(jnp.int32), top_logprobs
 
-    token_logprobs, top_ids, top_logprobs = jax.lax.cond(jnp.any(t.want_logprobs), logprobs,
-                                                         lambda: no_logprobs(num_seqs, logits.dtype))
+    token_logprobs, top_ids, top_logprobs = choose(branches, jnp.any(t.want_logprobs), logprobs,
+                                                   lambda: no_logprobs(num_seqs, logits.dtype))
     return SamplerOutput(tokens, token_logprobs, top_ids, top_logprobs)

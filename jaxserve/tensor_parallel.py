@@ -29,7 +29,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.cpu_ffi import PackedWeight
 from jaxserve.models.params import MODEL_AXIS, param_specs
 from jaxserve.models.transformer import forward, init_kv_cache
-from jaxserve.sampling import SamplerOutput, SamplingTensors, argmax, no_logprobs, sample
+from jaxserve.sampling import SamplerOutput, SamplingTensors, argmax, choose, no_logprobs, sample
 from jaxserve.tp_layout import HeadLayout, shard_params
 
 KV_SPEC = P(None, None, None, MODEL_AXIS, None)  # [num_layers, num_pages, page_size, KVH, D]: by KV head
@@ -127,11 +127,12 @@ class TensorParallel:
         return jax.shard_map(on_each_device, mesh=self.mesh, in_specs=(self.param_specs, kv_specs, P()),
                              out_specs=(VOCAB_SPEC, kv_specs), check_vma=False)(params, kv_cache, inputs)
 
-    def step(self, params, kv_cache, inputs, **forward_kwargs):
+    def step(self, params, kv_cache, inputs, *, sampler_branches: bool = True, **forward_kwargs):
         """model_runner's step on the mesh: `forward`, then each device samples from its slice of the
         vocabulary (`vocab_sharded_sample`); the sampled tokens are the same on every device."""
         logits, kv_cache = self.forward(params, kv_cache, inputs, **forward_kwargs)
-        sample_on_each = functools.partial(vocab_sharded_sample, vocab_size=self.model_cfg.vocab_size)
+        sample_on_each = functools.partial(vocab_sharded_sample, vocab_size=self.model_cfg.vocab_size,
+                                           branches=sampler_branches)
         sampled = jax.shard_map(sample_on_each, mesh=self.mesh, in_specs=(VOCAB_SPEC, P()), out_specs=P(),
                                 check_vma=False)(logits, inputs.sampling)
         return sampled, kv_cache
@@ -176,7 +177,8 @@ def shardings(mesh: Mesh, specs):
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def vocab_sharded_sample(logits, t: SamplingTensors, *, vocab_size: int, axis: str = MODEL_AXIS) -> SamplerOutput:
+def vocab_sharded_sample(logits, t: SamplingTensors, *, vocab_size: int, axis: str = MODEL_AXIS,
+                         branches: bool = True) -> SamplerOutput:
     """`sampling.sample` for logits [S, V / tp] split by vocabulary over `axis` (inside shard_map).
 
     A batch of plain greedy rows (the common case) takes each device's argmax and gathers only those;
@@ -199,6 +201,6 @@ def vocab_sharded_sample(logits, t: SamplingTensors, *, vocab_size: int, axis: s
 
     def gathered():
         full = jax.lax.all_gather(logits, axis, axis=1, tiled=True)[:, :vocab_size]
-        return sample(full, t)
+        return sample(full, t, branches)
 
-    return jax.lax.cond(plain, greedy, gathered)
+    return choose(branches, plain, greedy, gathered)  # both, selected, on a GPU (sampling.choose)

@@ -76,7 +76,9 @@ def _tiles(cu_q_lens, kv_lens, num_tokens: int, tile_tokens: int):
     cu_tiles = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(common.cdiv(q_lens, tile_tokens))])
     num_tiles = min(-(-num_tokens // tile_tokens) + num_seqs, num_tokens)
     tile = jnp.arange(num_tiles, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu_tiles, tile, side="right") - 1, 0, num_seqs - 1).astype(jnp.int32)
+    # compare_all, not the default loop: a loop outside the kernel would make the GPU wait on the host
+    seq = jnp.searchsorted(cu_tiles, tile, side="right", method="compare_all") - 1
+    seq = jnp.clip(seq, 0, num_seqs - 1).astype(jnp.int32)
     first_row = cu_q_lens[seq] + (tile - cu_tiles[seq]) * tile_tokens
     num_q = jnp.where(tile < cu_tiles[-1], jnp.clip(cu_q_lens[seq + 1] - first_row, 0, tile_tokens), 0)
     first_pos = kv_lens[seq] - q_lens[seq] + first_row - cu_q_lens[seq]

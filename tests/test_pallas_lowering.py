@@ -111,6 +111,7 @@ def _assert_all_lowered_with_kernels(results, backend="pallas", layer_kinds=1):
         expected = "paged_decode_attention" if r.kind == "decode" else "ragged_paged_attention"
         assert [k.name for k in r.kernels] == [expected] * layer_kinds, table
         assert all(k.uses_wgmma and k.uses_tma for k in r.kernels), table
+        assert r.control_flow == {}, f"a CUDA step must not wait on the host for a branch:\n{table}"
 
 
 def test_tiny_model_step_functions_lower_for_cuda():
@@ -206,3 +207,18 @@ def test_kernel_benchmark_without_a_gpu_says_so_and_exits_0(capsys, monkeypatch)
     table = capsys.readouterr().out
     assert "| decode 3x1 ctx 40 H4/2 D64 |" in table and "| prefill 2x20 ctx 50 H4/2 D64 |" in table
     assert "kernel output off its reference" not in table
+
+
+def test_a_cpu_step_keeps_its_branches_and_dump_writes_every_module(tmp_path):
+    """The control-flow count can fail: lowered for the CPU the sampler keeps its lax.conds (cheaper
+    there), which the count sees; --dump writes each bucket's module, the same text that was counted."""
+    engine = EngineConfig(dtype="float32", attention_backend="xla", matmul_backend="xla", max_model_len=64,
+                          max_num_seqs=2, max_num_batched_tokens=16, num_kv_pages=16)
+    results = check_lowering(TINY_LLAMA, engine, platform="cpu", dump_dir=tmp_path)
+    assert all(r.ok for r in results), format_results(results, "cpu")
+    assert all(r.control_flow.get("stablehlo.case", 0) >= 4 for r in results), format_results(results, "cpu")
+    written = sorted(path.name for path in tmp_path.iterdir())
+    assert written == sorted(f"{r.kind}-{r.bucket}.mlir" for r in results)
+    text = (tmp_path / written[0]).read_text()
+    assert "stablehlo.case" in text and "control flow outside kernels: stablehlo.case" in format_results(results, "cpu")
+

@@ -10,7 +10,9 @@ one token per byte) compiled once for the module, with compilation forbidden aft
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
+import re
 from types import SimpleNamespace
 
 import jax
@@ -283,6 +285,34 @@ def test_penalties_match_numpy_reference():
         want = _reference_penalties(logits[i], history[i], prompt_lens[i], repetition[i], frequency[i], presence[i])
         np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-5, err_msg=f"row {i}")
     np.testing.assert_array_equal(got[off], logits[off])
+
+
+def test_the_branchless_sampler_gives_exactly_the_branching_ones_tokens_and_logprobs():
+    """On a GPU the sampler selects instead of branching (no predicate goes to the host); on every mix of
+    greedy and random rows, top-k/top-p/min-p, penalties, bias and logprobs it returns the same tokens,
+    logprobs and top ids, including batches where no row (and where every row) asks for each part."""
+    rng = np.random.default_rng(7)
+    n, vocab = 24, 48
+    branching, branchless = jax.jit(sample), jax.jit(functools.partial(sample, branches=False))
+    logits, history, prompt_lens, repetition, frequency, presence, _ = _random_penalty_batch(rng, n, vocab)
+    mixes = {
+        "greedy": {},
+        "random": dict(temperature=rng.uniform(0.5, 1.5, n)),
+        "everything": dict(temperature=np.where(np.arange(n) % 3 == 0, 0.0, rng.uniform(0.5, 1.5, n)),
+                           top_k=rng.choice([0, 3, 10], n), top_p=rng.choice([1.0, 0.9, 0.5], n),
+                           min_p=rng.choice([0.0, 0.05], n), history=history, prompt_lens=prompt_lens,
+                           repetition_penalty=repetition, frequency_penalty=frequency, presence_penalty=presence,
+                           want_logprobs=np.arange(n) % 2 == 0),
+    }
+    for name, fields in mixes.items():
+        fields = {"temperature": 0.0, **fields}
+        t = _tensors(n, vocab=vocab, bias={5: 3.0} if name == "everything" else None, **fields)
+        want, got = branching(logits, t), branchless(logits, t)
+        for field in want._fields:
+            np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(want, field)),
+                                          err_msg=f"{name}: {field}")
+    lowered = jax.jit(functools.partial(sample, branches=False)).trace(logits, t)
+    assert not re.search(r"stablehlo\.(while|case|if)\b", lowered.lower(lowering_platforms=("cuda",)).as_text())
 
 
 def test_greedy_follows_penalties_and_logit_bias():
