@@ -30,10 +30,6 @@ class LazyTensor:
     def ndim(self) -> int:
         return len(self.shape)
 
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape))
-
     def __getitem__(self, index) -> np.ndarray:
         index = index if isinstance(index, tuple) else (index,)
         if any(not isinstance(s, slice) for s in index) or len(index) > self.ndim:
