@@ -7,7 +7,7 @@ flags of `jaxserve serve`, `generate`, `chat`, `check-lowering` and `bench throu
 (`add_engine_flags`, `engine_config_from_args`) and the keyword arguments of the offline `LLM`
 (`engine_config_from_kwargs`). Adding a setting is one field here, for example
 
-    async_scheduling: bool = setting(False, "schedule step N+1 while step N runs")
+    enable_prefix_caching: bool = setting(True, "reuse the KV pages of earlier prompts' common prefixes")
 
 (plus a check in `__post_init__` if some values are wrong), and the code that uses it; what a
 setting does lives there, not here.
@@ -79,6 +79,9 @@ class EngineConfig:
                                 "follow its steps")
     dist_init_addr: str | None = setting(None, "HOST:PORT of rank 0's JAX coordinator (the step inputs go to "
                                                "PORT + 1); needed with --nnodes > 1")
+    async_scheduling: bool | None = setting(
+        None, "schedule step N+1 and build its inputs while step N runs, feeding N's sampled tokens to N+1 on "
+              "the device; the host reads each step's tokens one step late (default: on a GPU, off on a CPU)")
     matmul_backend: str = setting("auto", "auto: the C++ packed-weight matmul on a CPU (float32), else XLA's dot",
                                   choices=MATMUL_BACKENDS)
     # Tests, debugging and tuning only: not on the command line.
@@ -164,9 +167,10 @@ def add_engine_flags(parser: argparse.ArgumentParser, positional_model: bool = F
     for f in _flag_fields():
         meta, flag = f.metadata, "--" + f.name.replace("_", "-")
         flags = (meta["short"], flag) if meta["short"] else (flag,)
-        if f.type in ("bool", bool):
+        if f.type in ("bool", "bool | None"):
+            default = "" if f.default is None else f" (default: {'on' if f.default else 'off'})"
             group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                               help=f"{meta['help']} (default: {'on' if f.default else 'off'})")
+                               help=meta["help"] + default)
             continue
         value_type = meta["parse"] or {"int": int, "int | None": int, "float": float, "str": str,
                                         "str | None": str}[f.type]
