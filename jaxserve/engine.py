@@ -25,12 +25,27 @@ from jaxserve.step_inputs import ScheduledSeq
 from jaxserve.tensor_parallel import request_cpu_devices
 from jaxserve.page_pool import PagePool
 from jaxserve.request import Request, RequestStatus
-from jaxserve.sampling import SamplingParams
-from jaxserve.scheduler import Scheduler
+from jaxserve.sampling import SamplerOutput, SamplingParams
+from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.weights import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
+_PLACEHOLDER = 0  # the host's stand-in for a token still on the device (the step reads the real one)
 _INERT_PARAMS = SamplingParams(temperature=0.0)  # the row of a request that failed before its step
+
+
+def resolve_async_scheduling(setting: bool | None, platform: str) -> bool:
+    """Unset: on where the device runs apart from the host (a GPU); a CPU's host work and XLA share the cores."""
+    return setting if setting is not None else platform == "gpu"
+
+
+@dataclasses.dataclass
+class _LaunchedStep:
+    """A step whose sampled tokens the host has not read yet."""
+
+    output: SchedulerOutput
+    sampled: SamplerOutput  # on the device
+    with_logprobs: bool
 
 
 class LLMEngine:
@@ -54,6 +69,9 @@ class LLMEngine:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self.last_schedule = None  # the most recent SchedulerOutput, for tests and debugging
+        # Asynchronous scheduling: step N+1 is launched before step N's tokens are read (`_step`)
+        self.async_scheduling = resolve_async_scheduling(cfg.async_scheduling, self.runner.platform)
+        self._launched: _LaunchedStep | None = None  # launched, tokens not read yet (async scheduling)
         self.num_steps = 0  # steps that ran the model
         self.step_seconds = 0.0  # wall time inside those steps: scheduling, the model, detokenizing
         self.model_seconds = 0.0  # of which building inputs, running the model and fetching the tokens
@@ -164,7 +182,7 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._launched is not None
 
     def step(self) -> list[Request]:
         """Runs one engine step; returns the requests that got a new token (finished ones included)."""
@@ -174,15 +192,31 @@ class LLMEngine:
         return self._step()
 
     def _step(self) -> list[Request]:
+        """Schedules and launches a step, then reads the tokens of a step: the same one, or with
+        asynchronous scheduling the one launched before it, so the host's reading, stop checks and
+        detokenizing of step N overlap step N+1 on the device (whose decode rows take N's tokens there)."""
         start = time.perf_counter()
+        launched, failed = self._launch()
+        for request, message in failed.items():  # their rows ran inert; the pages were written as scheduled
+            self.scheduler.fail(request, message)
+            self.requests.pop(request.request_id, None)
+        if self.async_scheduling:
+            launched, self._launched = self._launched, launched
+        updated = [] if launched is None else self._read(launched)
+        if launched is not None or failed:
+            self.step_seconds += time.perf_counter() - start
+        return updated + list(failed)
+
+    def _launch(self) -> tuple[_LaunchedStep | None, dict[Request, str]]:
+        """Schedules the next step and launches it without waiting; (None, {}) if nothing is scheduled.
+        Per-request failures are returned, to be applied once the step is out: a failing request still
+        runs as an inert greedy row, so the K/V of its pages (maybe already in the prefix cache) are
+        written as scheduled. Only a failure of the step itself escapes."""
         output = self.scheduler.schedule()
         self.last_schedule = output
         if not output.scheduled:
-            return []
+            return None, {}
         self.num_steps += 1
-        # Per-request failures are collected and applied after the step: a failing request still
-        # runs as an inert greedy row, so the K/V of its pages (maybe already in the prefix cache)
-        # are written as scheduled. Only a failure of the step itself escapes.
         failed: dict[Request, str] = {}
         seqs = [self._scheduled_seq(request, n, failed) for request, n in output.scheduled]
         with_logprobs = any(r.sampling_params.logprobs is not None for r, _ in output.scheduled)
@@ -193,21 +227,30 @@ class LLMEngine:
             failed.setdefault(request, "building its sampling row failed")
 
         model_start = time.perf_counter()
-        sampled = self.runner.fetch(self.runner.execute(seqs, on_row_error=row_failed), len(seqs), with_logprobs)
+        sampled = self.runner.execute(seqs, on_row_error=row_failed)
         self.model_seconds += time.perf_counter() - model_start
-        for request, message in failed.items():
-            self.scheduler.fail(request, message)
-        updated = self.scheduler.update_from_output(output, sampled) + list(failed)
+        self.scheduler.advance(output)
+        return _LaunchedStep(output, sampled, with_logprobs), failed
+
+    def _read(self, launched: _LaunchedStep) -> list[Request]:
+        """Reads a launched step's tokens (waiting for it), updates its requests and detokenizes."""
+        wait_start = time.perf_counter()
+        sampled = self.runner.fetch(launched.sampled, len(launched.output.scheduled), launched.with_logprobs)
+        self.model_seconds += time.perf_counter() - wait_start
+        updated = self.scheduler.update_from_output(launched.output, sampled)
         for request in updated:
             self._detokenize(request)
             if request.status.is_finished:
                 self.requests.pop(request.request_id, None)
-        self.step_seconds += time.perf_counter() - start
         return updated
 
     def _scheduled_seq(self, request: Request, num_new: int, failed: dict[Request, str]) -> ScheduledSeq:
         start, params = request.num_computed_tokens, request.sampling_params
         tokens = request.all_token_ids
+        # With asynchronous scheduling the last token may still be on the device: a placeholder here
+        num_pending = start + num_new - len(tokens)
+        assert num_pending <= 1 and (num_pending <= 0 or request.num_pending_tokens == 1), request.request_id
+        tokens = tokens + [_PLACEHOLDER] * num_pending
         try:
             return ScheduledSeq(
                 token_ids=tokens[start:start + num_new],
@@ -218,6 +261,7 @@ class LLMEngine:
                 prompt_len=len(request.prompt_token_ids),
                 history=tokens[:start + num_new] if params.uses_penalties else None,
                 suppress_ids=request.suppressed_token_ids,
+                prev_row=request.pending_row if num_pending > 0 else None,
             )
         except Exception:  # noqa: BLE001 - one request's failure must not end the others' step
             logger.exception("request %s: preparing its step failed", request.request_id)

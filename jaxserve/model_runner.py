@@ -79,6 +79,21 @@ def _step(params, kv_cache, inputs: StepInputs, *, cfg: ModelConfig, q_tile: int
     return sample(logits, inputs.sampling, sampler_branches), kv_cache
 
 
+def _fed_step(params, kv_cache, last_tokens, inputs: StepInputs, *, step: Callable):
+    """`step` with the tokens the host has not read yet taken on the device (asynchronous scheduling):
+    a token whose `prev_rows` entry is r >= 0 is the one row r of the previous step sampled, kept in
+    `last_tokens` [max_num_seqs]; a penalty row's history gets it too (it is always the row's last input
+    token, at position kv_len - 1). Returns (sampler output, kv_cache, this step's tokens in last_tokens)."""
+    token_ids = jnp.where(inputs.prev_rows >= 0, last_tokens[jnp.maximum(inputs.prev_rows, 0)], inputs.token_ids)
+    history, rows = inputs.sampling.history, jnp.arange(inputs.logits_indices.shape[0])
+    cols = jnp.maximum(inputs.md.kv_lens - 1, 0)
+    fed = (inputs.prev_rows[inputs.logits_indices] >= 0) & (history[:, 0] >= 0)  # [S]: penalty rows fed here
+    history = history.at[rows, cols].set(jnp.where(fed, token_ids[inputs.logits_indices], history[rows, cols]))
+    inputs = inputs._replace(token_ids=token_ids, sampling=inputs.sampling._replace(history=history))
+    sampled, kv_cache = step(params, kv_cache, inputs)
+    return sampled, kv_cache, jax.lax.dynamic_update_slice(last_tokens, sampled.token_ids, (0,))
+
+
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, params, platform: str | None = None):
         """platform: resolve the attention backend for "gpu"/"cpu" instead of this machine (check-lowering)."""
@@ -103,15 +118,19 @@ class ModelRunner:
         self.prefill_buckets = prefill_buckets(engine_cfg)
         self.decode_buckets = decode_buckets(engine_cfg)
         step = functools.partial(_step, cfg=model_cfg)
-        jit = functools.partial(jax.jit, donate_argnums=1)
+        jit = functools.partial(jax.jit, donate_argnums=(1, 2))
         if self.parallel:
             step, jit = self.parallel.step, self.parallel.jit
         # On a GPU the sampler selects instead of branching: a branch there waits for the host (sampling.py).
-        self.sampler_branches = (platform or jax.default_backend()) != "gpu"
+        self.platform = platform or jax.default_backend()
+        self.sampler_branches = self.platform != "gpu"
         step = functools.partial(step, kv_tile=min(engine_cfg.kv_tile, engine_cfg.max_model_len),
                                  attention_backend=self.attention_backend, sampler_branches=self.sampler_branches)
-        self._prefill = jit(functools.partial(step, q_tile=engine_cfg.prefill_query_tile))
-        self._decode = jit(functools.partial(step, q_tile=1, decode_only=True))
+        fed = lambda **kwargs: functools.partial(_fed_step, step=functools.partial(step, **kwargs))  # noqa: E731
+        self._prefill = jit(fed(q_tile=engine_cfg.prefill_query_tile))
+        self._decode = jit(fed(q_tile=1, decode_only=True))
+        # The previous step's sampled tokens, on the device, for the next step's inputs (`_fed_step`)
+        self.last_tokens = self._replicated(np.zeros(engine_cfg.max_num_seqs, np.int32))
         self._executables: dict[tuple[str, int], object] = {}
         self.on_launch: Callable[[str, int, StepInputs], None] | None = None  # multihost.Leader.send_step
         self.inputs = StepInputBuilder(model_cfg, engine_cfg)
@@ -144,6 +163,11 @@ class ModelRunner:
     def describe_weights_read(self) -> str:
         return (f"this process read {self.weight_bytes_read / 2**20:.1f} of the model's "
                 f"{self.weight_bytes_total / 2**20:.1f} MiB of weights")
+
+    def _replicated(self, x: np.ndarray) -> jax.Array:
+        if self.parallel is None:
+            return jnp.asarray(x)
+        return self.parallel.replicated(x)
 
     def _init_kv_cache(self):
         make = init_kv_cache if self.parallel is None else self.parallel.init_kv_cache
@@ -195,7 +219,8 @@ class ModelRunner:
     def lower(self, kind: str, bucket: int, platforms: tuple[str, ...] | None = None):
         """Lowers one bucket's step function ("prefill" or "decode") for this machine or `platforms`."""
         fn = self._decode if kind == "decode" else self._prefill
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (self.params, self.kv_cache))
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                              (self.params, self.kv_cache, self.last_tokens))
         traced = fn.trace(*shapes, self._input_shapes(kind, bucket))
         return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
 
@@ -232,7 +257,8 @@ class ModelRunner:
             self.on_launch(kind, bucket, inputs)
         if (kind, bucket) not in self._executables:
             self.warmup(show_progress=False)  # only before warm-up ran; afterwards every key exists
-        output, self.kv_cache = self._executables[kind, bucket](self.params, self.kv_cache, inputs)
+        output, self.kv_cache, self.last_tokens = self._executables[kind, bucket](
+            self.params, self.kv_cache, self.last_tokens, inputs)
         return output
 
     @staticmethod

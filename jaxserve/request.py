@@ -38,7 +38,11 @@ class Request:
     arrival_index: int = 0  # set by the scheduler: the order requests arrived in
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose K/V are in the pages
+    num_computed_tokens: int = 0  # tokens whose K/V are in the pages (or will be, once launched steps end)
+    # Tokens sampled by launched steps that the host has not read yet (at most one: with asynchronous
+    # scheduling, the host reads a step's tokens after launching the next), and the newest one's row
+    num_pending_tokens: int = 0
+    pending_row: int = -1
     block_table: list[int] = dataclasses.field(default_factory=list)
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of the full pages so far
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at (last) admission
@@ -57,17 +61,19 @@ class Request:
     def suppressed_token_ids(self) -> tuple[int, ...]:
         """EOS and stop ids are banned until min_tokens outputs exist."""
         params = self.sampling_params
-        if len(self.output_token_ids) >= params.min_tokens:
+        if len(self.output_token_ids) + self.num_pending_tokens >= params.min_tokens:
             return ()
         eos = () if params.ignore_eos else self.eos_token_ids
         return tuple(dict.fromkeys([*eos, *params.stop_token_ids]))
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt and output tokens, those still on the device included."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def all_token_ids(self) -> list[int]:
+        """The tokens the host knows (num_tokens less the pending ones)."""
         return self.prompt_token_ids + self.output_token_ids
 
     @property

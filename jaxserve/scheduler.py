@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]]  # (request, number of new tokens this step)
     preempted: list[Request]
+    samples: list[bool] = dataclasses.field(default_factory=list)  # per row, set by `advance`
 
     @property
     def num_tokens(self) -> int:
@@ -43,6 +44,11 @@ def _needs_prefill(request: Request) -> bool:
     """More than a decode row: prompt tokens left, or several tokens to recompute after preemption."""
     return (request.num_tokens - request.num_computed_tokens > 1
             or request.num_computed_tokens < len(request.prompt_token_ids))
+
+
+def _last_token_pending(request: Request) -> bool:
+    """Its token on the device is its max_tokens-th: a row for the next one would be discarded."""
+    return 0 < request.num_pending_tokens and len(request.output_token_ids) + request.num_pending_tokens >= request.max_tokens
 
 
 def _waiting_key(request: Request) -> tuple[int, int]:
@@ -95,7 +101,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if prompt_step is not None and _needs_prefill(request) != prompt_step:
+            if (prompt_step is not None and _needs_prefill(request) != prompt_step) or _last_token_pending(request):
                 i += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -193,20 +199,34 @@ class Scheduler:
         self._enqueue(request)
         self.num_preemptions += 1
 
+    def advance(self, output: SchedulerOutput) -> None:
+        """Records that `output`'s step was launched: its tokens count as computed, and each sequence
+        that reached its end will sample a token, pending until `update_from_output` reads it (with
+        asynchronous scheduling, after the next step is scheduled: that step's row feeds on it)."""
+        for row, (request, num_new) in enumerate(output.scheduled):
+            request.num_computed_tokens += num_new
+            samples = request.num_computed_tokens == request.num_tokens
+            if samples:
+                request.num_pending_tokens += 1
+                request.pending_row = row
+            output.samples.append(samples)
+
     def update_from_output(self, output: SchedulerOutput, sampled) -> list[Request]:
-        """Advances each scheduled request; appends its sampled token if its prompt is done.
+        """Appends each sampled token of an advanced step to its request, then checks stops.
 
         `sampled` is the host SamplerOutput (or a plain list of token ids). Returns the requests that
-        got a new token this step; finished ones have their pages freed.
+        got a new token; finished ones have their pages freed. A request that finished while the step
+        ran (a stop found in the step before, an abort) has its row discarded.
         """
+        assert len(output.samples) == len(output.scheduled), "advance() the output first"
         tokens = getattr(sampled, "token_ids", sampled)
         updated = []
-        for i, ((request, num_new), token) in enumerate(zip(output.scheduled, tokens)):
-            if request.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            request.num_computed_tokens += num_new
-            if request.num_computed_tokens < request.num_tokens:
+        for i, ((request, _), token, samples) in enumerate(zip(output.scheduled, tokens, output.samples)):
+            if not samples:
                 continue  # a prompt chunk that is not the last: its sample is meaningless
+            request.num_pending_tokens -= 1
+            if request.status.is_finished:
+                continue
             request.output_token_ids.append(int(token))
             updated.append(request)
             if request.sampling_params.logprobs is not None:
@@ -218,7 +238,15 @@ class Scheduler:
                     continue
             if request.check_stop():
                 self.finish(request)
+            elif request.status is RequestStatus.RUNNING:
+                self._cache_known_pages(request)
         return updated
+
+    def _cache_known_pages(self, request: Request) -> None:
+        """Registers pages that the token just read completed: scheduling left them out while it was pending."""
+        num_known = min(request.num_computed_tokens, request.num_tokens - request.num_pending_tokens)
+        if num_known // self.pool.page_size > len(request.page_hashes):
+            self._cache_pages(request, num_known)
 
     def fail(self, request: Request, message: str) -> None:
         """Ends one request with finish reason "error" (pages freed); `message` is for its client."""

@@ -38,6 +38,9 @@ class ScheduledSeq:
     prompt_len: int = 0
     history: list[int] | None = None  # all token ids so far, only when penalties are on
     suppress_ids: tuple[int, ...] = ()  # ids banned this step (EOS and stop ids before min_tokens)
+    # Asynchronous scheduling: the last of token_ids is a placeholder for the token row prev_row of the
+    # previous step sampled, which the host has not read yet (the step takes it on the device)
+    prev_row: int | None = None
 
 
 class StepInputs(NamedTuple):
@@ -46,6 +49,7 @@ class StepInputs(NamedTuple):
     md: AttentionMetadata  # slot_mapping [T], cu_q_lens [S+1], kv_lens [S], block_tables [S, P]
     logits_indices: np.ndarray  # [S] int32, each sequence's last row
     sampling: SamplingTensors  # [S] rows
+    prev_rows: np.ndarray  # [T] int32: r >= 0 = this token is the one row r of the previous step sampled
 
 
 class StepInputBuilder:
@@ -64,6 +68,7 @@ class StepInputBuilder:
                                  i32(num_seqs, self.cfg.pages_per_seq)),
             logits_indices=i32(num_seqs),
             sampling=jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.empty_sampling(num_seqs)),
+            prev_rows=i32(num_tokens),
         )
 
     def empty_sampling(self, num_seqs: int) -> SamplingTensors:
@@ -91,6 +96,7 @@ class StepInputBuilder:
         kv_lens = np.zeros(num_seqs, np.int32)
         block_tables = np.full((num_seqs, self.cfg.pages_per_seq), DUMMY_PAGE, np.int32)
         sampling = self.empty_sampling(num_seqs)
+        prev_rows = np.full(num_tokens, -1, np.int32)
         row = 0
         for i, s in enumerate(seqs):
             n = len(s.token_ids)
@@ -101,6 +107,8 @@ class StepInputBuilder:
             slot_mapping[row:row + n] = table[pos // page_size] * page_size + pos % page_size
             block_tables[i, : len(table)] = table
             kv_lens[i] = s.num_computed_tokens + n
+            if s.prev_row is not None:
+                prev_rows[row + n - 1] = s.prev_row
             try:
                 self.fill_sampling_row(sampling, i, s)
             except Exception as e:  # noqa: BLE001 - handed to the caller, or re-raised
@@ -115,7 +123,7 @@ class StepInputBuilder:
         logits_indices = np.maximum(cu_q_lens[1:] - 1, 0)
         sampling.positions[:] = kv_lens
         md = AttentionMetadata(slot_mapping, cu_q_lens, kv_lens, block_tables)
-        return StepInputs(token_ids, positions, md, logits_indices, sampling)
+        return StepInputs(token_ids, positions, md, logits_indices, sampling, prev_rows)
 
     def fill_sampling_row(self, t: SamplingTensors, i: int, s: ScheduledSeq) -> None:
         """Row i of the sampling arrays from sequence s's parameters."""

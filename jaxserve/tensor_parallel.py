@@ -105,8 +105,7 @@ class TensorParallel:
                   for x, sharding, *on_devices in zip(jax.tree.leaves(whole),
                                                       jax.tree.leaves(shardings(self.mesh, specs)), *pieces)]
         replicated = NamedSharding(self.mesh, P())
-        tables = jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, replicated, lambda index: x[index]),
-                              jax.tree.map(np.asarray, rope()))
+        tables = jax.tree.map(lambda x: self.replicated(np.asarray(x)), rope())
         return jax.tree.unflatten(jax.tree.structure(whole), placed) | tables
 
     def init_kv_cache(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype):
@@ -139,10 +138,14 @@ class TensorParallel:
 
     def jit(self, step):
         """jax.jit for `step`, with the shardings serving uses (warm-up compiles exactly these, so a step
-        never meets an input placed differently) and the KV pages donated."""
+        never meets an input placed differently), the KV pages and the last sampled tokens donated."""
         kv, replicated = shardings(self.mesh, (KV_SPEC, KV_SPEC)), NamedSharding(self.mesh, P())
-        return jax.jit(step, donate_argnums=1, in_shardings=(shardings(self.mesh, self.param_specs), kv, replicated),
-                       out_shardings=(replicated, kv))
+        return jax.jit(step, donate_argnums=(1, 2), out_shardings=(replicated, kv, replicated),
+                       in_shardings=(shardings(self.mesh, self.param_specs), kv, replicated, replicated))
+
+    def replicated(self, x: np.ndarray) -> jax.Array:
+        """A host array copied to every device of the mesh (each process gives its own devices' copies)."""
+        return jax.make_array_from_callback(x.shape, NamedSharding(self.mesh, P()), lambda index: x[index])
 
 
 def request_cpu_devices(n: int) -> None:

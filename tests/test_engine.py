@@ -148,6 +148,7 @@ def test_scheduler_chunks_long_prompts_under_the_token_budget():
     scheduler.add_request(short)
     out = scheduler.schedule()
     assert [(r.request_id, n) for r, n in out.scheduled] == [("short", 5)]
+    scheduler.advance(out)  # the step was launched
     scheduler.update_from_output(out, [7])
     scheduler.add_request(long)
     chunks = []
@@ -156,6 +157,7 @@ def test_scheduler_chunks_long_prompts_under_the_token_budget():
         assert out.num_tokens <= 32
         assert ("short", 1) in [(r.request_id, n) for r, n in out.scheduled]  # decode never stalls
         chunks.append(dict((r.request_id, n) for r, n in out.scheduled)["long"])
+        scheduler.advance(out)  # the step was launched
         scheduler.update_from_output(out, [7] * len(out.scheduled))
         if short.status.is_finished:
             break
@@ -174,6 +176,7 @@ def test_a_step_that_would_be_mostly_padding_takes_a_smaller_prompt_chunk(bucket
         scheduler.add_request(request)
     out = scheduler.schedule()
     assert out.num_tokens == 70  # a 128 bucket, 55% full, but small steps are not capped (weight reads dominate)
+    scheduler.advance(out)  # the step was launched
     scheduler.update_from_output(out, [1] * 7)
     prompt = _request("p", 256, max_tokens=4, first_token=300)
     scheduler.add_request(prompt)
@@ -181,6 +184,7 @@ def test_a_step_that_would_be_mostly_padding_takes_a_smaller_prompt_chunk(bucket
     sizes = {r.request_id: n for r, n in out.scheduled}
     assert all(sizes[r.request_id] == 1 for r in decoders)
     assert sizes["p"] == (249 if buckets else 256) and out.num_tokens == (256 if buckets else 263)
+    scheduler.advance(out)  # the step was launched
     scheduler.update_from_output(out, [1] * len(out.scheduled))
     out = scheduler.schedule()
     assert {r.request_id: n for r, n in out.scheduled}.get("p") == (7 if buckets else 1)
@@ -197,6 +201,7 @@ def test_preemption_frees_pages_and_requeues_the_newest():
     scheduler.add_request(second)
     out = scheduler.schedule()
     assert [r.request_id for r, _ in out.scheduled] == ["first", "second"]
+    scheduler.advance(out)  # the step was launched
     scheduler.update_from_output(out, [1, 1])  # both now hold 9 tokens: 3 + 3 pages > 5 usable
     out = scheduler.schedule()
     assert out.preempted == [second] and second.status is RequestStatus.PREEMPTED

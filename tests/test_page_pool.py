@@ -248,6 +248,7 @@ def _scheduler(num_pages: int = 64, page_size: int = PS, prefix_caching: bool = 
 def _step(scheduler: Scheduler, token: int = 7):
     """One schedule/update round with a fake model that samples `token` for every row."""
     out = scheduler.schedule()
+    scheduler.advance(out)  # the step was launched
     updated = scheduler.update_from_output(out, [token] * len(out.scheduled))
     return out, updated
 
@@ -368,9 +369,10 @@ def test_abort_frees_pages_of_running_and_waiting_requests():
     assert decoding.output_token_ids == [7, 7] and prefilling.num_computed_tokens == 13 + 15
     assert scheduler.pool.num_used_pages == 1 + 7 and waiting in scheduler.waiting
 
-    # both aborted between schedule() and update_from_output(): the step's results are dropped
+    # both aborted while the step ran (after advance(), before update_from_output()): its results are dropped
     out = scheduler.schedule()
     assert _ids(out) == [("decoding", 1), ("prefilling", 12)]  # the prompt's last chunk
+    scheduler.advance(out)  # the step was launched
     scheduler.finish(decoding, RequestStatus.FINISHED_ABORTED)
     scheduler.finish(prefilling, RequestStatus.FINISHED_ABORTED)
     assert scheduler.update_from_output(out, [9] * len(out.scheduled)) == []

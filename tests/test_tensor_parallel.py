@@ -82,7 +82,7 @@ def _logits(runner: ModelRunner) -> np.ndarray:
             logits, kv_cache = run(runner.params, token_ids=batch.token_ids, positions=batch.positions,
                                    kv_cache=kv_cache, md=batch.md, logits_indices=batch.logits_indices)
         else:
-            logits, kv_cache = run(runner.params, kv_cache, StepInputs(*batch[:4], sampling=None))
+            logits, kv_cache = run(runner.params, kv_cache, StepInputs(*batch[:4], sampling=None, prev_rows=None))
         rows = np.concatenate(batch.rows)
         out.append(np.asarray(logits)[rows, :runner.model_cfg.vocab_size])
     return np.concatenate(out)
