@@ -13,6 +13,14 @@ HF side: the same GGUF loaded by transformers in float32; prefill is one forward
 use_cache, decode is a manual greedy loop over `past_key_values` (timed without its prefill). With
 --hf-generate, `generate(max_new_tokens=N)` minus the prefill time is a second decode figure.
 
+Then, unless --skip-phases, the engine's own loop (`LLMEngine.step`: schedule, build inputs, launch,
+wait for the tokens, update and detokenize) at each of --phase-batch-sizes (1, 32, 128 by default,
+where the KV pool holds them), with asynchronous scheduling off and on: B requests of P prompt tokens
+and N greedy tokens; per decode step, the host's time in each phase (`LLMEngine.phase_seconds`), the
+step's wall time, and the time the device is busy with one such step (the last decode step's
+executable run back to back, --repeats x 8 times, divided). "wait" is the device time the host could
+not hide; with asynchronous scheduling the host's other phases overlap the device's step.
+
 Every figure is the median of --repeats timed rounds after one untimed round. Within a round the
 two sides alternate (jaxserve prefill, HF prefill, jaxserve decode, HF decode), so load from other
 users of a shared machine lands on both sides alike; the load average is recorded. On 2 cores that
@@ -21,7 +29,7 @@ other processes also use, torch's default of 2 threads can be several times slow
 
     python benchmarks/bench_steps.py [--batch-sizes 1 8 32] [--prompt-len 128] [--decode-steps 32]
                                      [--repeats 3] [--skip-hf] [--hf-generate] [--torch-threads T]
-                                     [--out results.json]
+                                     [--phase-batch-sizes 1 32 128] [--skip-phases] [--out results.json]
 """
 
 from __future__ import annotations
@@ -54,10 +62,9 @@ def log(message: str) -> None:
 
 
 class JaxserveBench:
-    def __init__(self, max_batch: int, prompt_len: int, decode_steps: int):
+    def __init__(self, max_batch: int, prompt_len: int, decode_steps: int, max_phase_batch: int = 0):
+        from jaxserve.engine import LLMEngine
         from jaxserve.engine_config import EngineConfig
-        from jaxserve.model_runner import ModelRunner
-        from jaxserve.page_pool import PagePool
         from jaxserve.weights import load_model
 
         start = time.perf_counter()
@@ -67,11 +74,12 @@ class JaxserveBench:
         # Engine defaults except the two limits the largest batch needs: all B prompts in one step.
         self.cfg = EngineConfig(
             dtype="float32",
-            max_num_seqs=max(32, max_batch),
+            max_num_seqs=max(32, max_batch, max_phase_batch),
             max_num_batched_tokens=max(512, max_batch * prompt_len),
         )
-        self.runner = ModelRunner(loaded.config, self.cfg, loaded.params)
-        self.pool = PagePool(self.runner.num_pages, self.cfg.block_size)
+        # The runner-level cases below use the engine's runner and pool directly, between its own runs.
+        self.engine = LLMEngine(loaded, self.cfg)
+        self.runner, self.pool, self.cfg = self.engine.runner, self.engine.pool, self.engine.cfg
         self.prompt_len, self.decode_steps = prompt_len, decode_steps
         needed = max_batch * self.pool.pages_needed([], prompt_len + decode_steps)
         if needed > self.pool.num_free_pages:
@@ -80,7 +88,57 @@ class JaxserveBench:
         self.first_tokens: np.ndarray | None = None
 
     def warmup(self) -> dict:
-        return self.runner.warmup(show_progress=True)
+        return self.engine.warmup(show_progress=True)
+
+    def free_tables(self) -> None:
+        for table in self.tables:
+            self.pool.free(table)
+        self.tables = []
+
+    def phases(self, prompts: np.ndarray, async_scheduling: bool, device_repeats: int) -> dict:
+        """The engine's loop over B requests (prompts [B, P]), decode steps only: per step, ms in each
+        phase, the step's wall ms, and the device's ms for one step (see the module docstring)."""
+        from jaxserve.engine import STEP_PHASES
+        from jaxserve.sampling import SamplingParams
+
+        engine, runner = self.engine, self.runner
+        engine.async_scheduling = async_scheduling
+        params = SamplingParams(temperature=0.0, max_tokens=self.decode_steps, ignore_eos=True)
+        requests = [engine.add_request(p.tolist(), params) for p in prompts]
+        while not all(r.output_token_ids for r in requests):  # the prompts, and their first tokens read
+            engine.step()
+        last = {}
+        launch = runner.launch
+
+        def recording_launch(kind, bucket, inputs):
+            last["step"] = (kind, bucket, inputs)
+            return launch(kind, bucket, inputs)
+
+        runner.launch = recording_launch
+        phases, steps, start = dict(engine.phase_seconds), engine.num_steps, time.perf_counter()
+        try:
+            while engine.has_unfinished:
+                engine.step()
+        finally:
+            del runner.launch
+        wall, steps = time.perf_counter() - start, engine.num_steps - steps
+        assert last["step"][0] == "decode" and steps > 0, last
+        # The device's time for the last decode step alone: its executable back to back, waited for once.
+        # (Its inputs' K/V rewrite freed pages: the prefix cache is dropped after, so nothing reads them.)
+        kind, bucket, inputs = last["step"]
+        inputs = inputs._replace(prev_rows=np.full_like(inputs.prev_rows, -1))
+        runner.fetch(runner.launch(kind, bucket, inputs), 1, False)
+        device_start = time.perf_counter()
+        for _ in range(device_repeats):
+            out = runner.launch(kind, bucket, inputs)
+        runner.fetch(out, 1, False)
+        device = (time.perf_counter() - device_start) / device_repeats
+        self.pool.reset_prefix_cache()
+        per_step = {phase: 1000 * (engine.phase_seconds[phase] - phases[phase]) / steps for phase in STEP_PHASES}
+        return {"async_scheduling": async_scheduling, "decode_steps": steps, "phase_ms": per_step,
+                "host_ms": sum(v for k, v in per_step.items() if k != "wait"), "step_ms": 1000 * wall / steps,
+                "device_ms": 1000 * device, "device_busy": min(device / (wall / steps), 1.0),
+                "bucket": bucket}
 
     def cases(self, prompts: np.ndarray) -> Cases:
         """prompts [B, P] int32. Prefill must run before decode (decode feeds on its sampled ids)."""
@@ -88,8 +146,7 @@ class JaxserveBench:
         from jaxserve.sampling import SamplingParams
 
         greedy = SamplingParams(temperature=0.0)
-        for table in self.tables:
-            self.pool.free(table)
+        self.free_tables()
         batch, prompt_len = prompts.shape
         self.tables = [[] for _ in range(batch)]
         for table in self.tables:  # every page the prompt and its decode steps will touch, up front
@@ -235,6 +292,18 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def phase_table(results: list[dict]) -> str:
+    from jaxserve.engine import STEP_PHASES
+
+    lines = ["| batch | async | " + " | ".join(STEP_PHASES) + " | host (no wait) | step wall | device | busy |",
+             "|---:|:---|" + "---:|" * (len(STEP_PHASES) + 4)]
+    for r in results:
+        phases = " | ".join(f"{r['phase_ms'][p]:.2f}" for p in STEP_PHASES)
+        lines.append(f"| {r['batch']} | {'on' if r['async_scheduling'] else 'off'} | {phases} | {r['host_ms']:.2f} | "
+                     f"{r['step_ms']:.2f} | {r['device_ms']:.2f} | {100 * r['device_busy']:.0f}% |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
@@ -247,6 +316,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--torch-threads", type=int,
                         help="torch.set_num_threads for HF (default: torch's own default, one per core)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--phase-batch-sizes", type=int, nargs="+", default=[1, 32, 128],
+                        help="batch sizes of the engine-loop phase runs (those the KV pool cannot hold are skipped)")
+    parser.add_argument("--skip-phases", action="store_true", help="skip the engine-loop phase runs")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
     for name in ("prompt_len", "decode_steps", "repeats"):
@@ -260,7 +332,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     log(f"loading the jaxserve model (jax {jax.__version__}, {jax.devices()[0].platform}); "
         f"load average {load_start[0]:.1f}")
-    jx = JaxserveBench(max(args.batch_sizes), args.prompt_len, args.decode_steps)
+    phase_batches = [] if args.skip_phases else args.phase_batch_sizes
+    jx = JaxserveBench(max(args.batch_sizes), args.prompt_len, args.decode_steps, max(phase_batches, default=0))
     log(f"loaded in {jx.load_seconds:.1f} s; compiling every bucket (max_num_batched_tokens="
         f"{jx.cfg.max_num_batched_tokens}, max_num_seqs={jx.cfg.max_num_seqs})")
     warmup = jx.warmup()
@@ -299,6 +372,21 @@ def main(argv: list[str] | None = None) -> dict:
         log(message)
         results.append(entry)
 
+    jx.free_tables()
+    phase_results = []
+    for batch in phase_batches:
+        needed = batch * jx.pool.pages_needed([], args.prompt_len + args.decode_steps)
+        if needed > jx.pool.num_free_pages:
+            log(f"phases B={batch}: skipped, the KV pool has {jx.pool.num_free_pages} pages and it needs {needed}")
+            continue
+        prompts = rng.integers(100, jx.vocab_size, (batch, args.prompt_len), dtype=np.int32)
+        for async_scheduling in (False, True):
+            runs = [jx.phases(prompts, async_scheduling, 8 * args.repeats) for _ in range(args.repeats)]
+            entry = min(runs, key=lambda r: r["step_ms"]) | {"batch": batch}  # the least disturbed run
+            log(f"phases B={batch} async_scheduling={async_scheduling}: step {entry['step_ms']:.2f} ms, host "
+                f"{entry['host_ms']:.2f} ms, device {entry['device_ms']:.2f} ms ({100 * entry['device_busy']:.0f}% busy)")
+            phase_results.append(entry)
+
     wall = time.perf_counter() - START
     load_end = os.getloadavg()
     print()
@@ -309,6 +397,12 @@ def main(argv: list[str] | None = None) -> dict:
           "not in the timings")
     print()
     print(table(results))
+    if phase_results:
+        print()
+        print(f"engine decode steps: host ms per step by phase, the step's wall ms and the device's ms "
+              f"(prompt {args.prompt_len}, {args.decode_steps} tokens; best of {args.repeats} runs)")
+        print()
+        print(phase_table(phase_results))
     print()
     print(f"wall time: {wall:.0f} s")
 
@@ -326,6 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
             "load_average_start": load_start, "load_average_end": load_end,
         },
         "results": results,
+        "phases": phase_results,
         "wall_seconds": wall,
     }
     if args.out is not None:

@@ -30,6 +30,7 @@ from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.weights import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
+STEP_PHASES = ("schedule", "inputs", "launch", "wait", "update")
 _PLACEHOLDER = 0  # the host's stand-in for a token still on the device (the step reads the real one)
 _INERT_PARAMS = SamplingParams(temperature=0.0)  # the row of a request that failed before its step
 
@@ -74,7 +75,9 @@ class LLMEngine:
         self._launched: _LaunchedStep | None = None  # launched, tokens not read yet (async scheduling)
         self.num_steps = 0  # steps that ran the model
         self.step_seconds = 0.0  # wall time inside those steps: scheduling, the model, detokenizing
-        self.model_seconds = 0.0  # of which building inputs, running the model and fetching the tokens
+        # Of that, per phase: scheduling, building the inputs, launching the step, waiting for its tokens
+        # (the device's time the host could not hide), updating requests and detokenizing
+        self.phase_seconds = dict.fromkeys(STEP_PHASES, 0.0)
         self._compilations_after_warmup: int | None = None
         logger.info("max concurrent tokens in the KV pool: %d", self.runner.max_concurrent_tokens)
 
@@ -212,8 +215,10 @@ class LLMEngine:
         Per-request failures are returned, to be applied once the step is out: a failing request still
         runs as an inert greedy row, so the K/V of its pages (maybe already in the prefix cache) are
         written as scheduled. Only a failure of the step itself escapes."""
+        clock = time.perf_counter()
         output = self.scheduler.schedule()
         self.last_schedule = output
+        clock = self._timed("schedule", clock)
         if not output.scheduled:
             return None, {}
         self.num_steps += 1
@@ -226,23 +231,35 @@ class LLMEngine:
             logger.error("request %s: building its sampling row failed", request.request_id, exc_info=error)
             failed.setdefault(request, "building its sampling row failed")
 
-        model_start = time.perf_counter()
-        sampled = self.runner.execute(seqs, on_row_error=row_failed)
-        self.model_seconds += time.perf_counter() - model_start
+        prepared = self.runner.prepare(seqs, on_row_error=row_failed)
+        clock = self._timed("inputs", clock)
+        sampled = self.runner.launch(*prepared)
+        self._timed("launch", clock)
         self.scheduler.advance(output)
         return _LaunchedStep(output, sampled, with_logprobs), failed
 
     def _read(self, launched: _LaunchedStep) -> list[Request]:
         """Reads a launched step's tokens (waiting for it), updates its requests and detokenizes."""
-        wait_start = time.perf_counter()
+        clock = time.perf_counter()
         sampled = self.runner.fetch(launched.sampled, len(launched.output.scheduled), launched.with_logprobs)
-        self.model_seconds += time.perf_counter() - wait_start
+        clock = self._timed("wait", clock)
         updated = self.scheduler.update_from_output(launched.output, sampled)
         for request in updated:
             self._detokenize(request)
             if request.status.is_finished:
                 self.requests.pop(request.request_id, None)
+        self._timed("update", clock)
         return updated
+
+    def _timed(self, phase: str, since: float) -> float:
+        now = time.perf_counter()
+        self.phase_seconds[phase] += now - since
+        return now
+
+    @property
+    def model_seconds(self) -> float:
+        """Step time spent building inputs, launching the model and waiting for its tokens."""
+        return sum(self.phase_seconds[phase] for phase in ("inputs", "launch", "wait"))
 
     def _scheduled_seq(self, request: Request, num_new: int, failed: dict[Request, str]) -> ScheduledSeq:
         start, params = request.num_computed_tokens, request.sampling_params
@@ -298,6 +315,7 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "step_seconds": self.step_seconds,
             "model_seconds": self.model_seconds,
+            "phase_seconds": dict(self.phase_seconds),
             "num_pages": pool.num_pages - 1,
             "num_used_pages": pool.num_used_pages,
             "num_cached_pages": pool.num_cached_pages,

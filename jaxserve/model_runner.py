@@ -232,12 +232,16 @@ class ModelRunner:
 
     def execute(self, seqs: list[ScheduledSeq],
                 on_row_error: Callable[[int, Exception], None] | None = None) -> SamplerOutput:
-        """Launches one step over the scheduled sequences; returns its (device) sampler output.
+        """Launches one step over the scheduled sequences (`prepare`, then `launch`); returns its (device)
+        sampler output. The result is not waited for: callers can do host work while the device runs,
+        then read it with `fetch`."""
+        return self.launch(*self.prepare(seqs, on_row_error))
 
-        The result is not waited for: callers can do host work while the device runs, then read it
-        with `fetch`. on_row_error: if given, a sequence whose sampling row cannot be built runs as an
-        inert greedy row and is reported (its index and the error) instead of failing the step.
-        """
+    def prepare(self, seqs: list[ScheduledSeq], on_row_error: Callable[[int, Exception], None] | None = None
+                ) -> tuple[str, int, StepInputs]:
+        """The entry point ("prefill" or "decode"), bucket and padded host inputs of one step.
+        on_row_error: if given, a sequence whose sampling row cannot be built runs as an inert greedy row
+        and is reported (its index and the error) instead of failing the step."""
         assert seqs, "nothing scheduled"
         num_tokens = sum(len(s.token_ids) for s in seqs)
         if all(len(s.token_ids) == 1 for s in seqs) and len(seqs) <= self.cfg.max_num_seqs:
@@ -247,8 +251,7 @@ class ModelRunner:
             kind, bucket = "prefill", pick_bucket(self.prefill_buckets, num_tokens)
             num_seqs = min(bucket, self.cfg.max_num_seqs)
         assert len(seqs) <= num_seqs, (len(seqs), num_seqs)
-        inputs = self.inputs.build(seqs, num_tokens=bucket, num_seqs=num_seqs, on_row_error=on_row_error)
-        return self.launch(kind, bucket, inputs)
+        return kind, bucket, self.inputs.build(seqs, num_tokens=bucket, num_seqs=num_seqs, on_row_error=on_row_error)
 
     def launch(self, kind: str, bucket: int, inputs: StepInputs) -> SamplerOutput:
         """Runs one bucket's executable on built inputs (a multi-host follower runs the leader's this
