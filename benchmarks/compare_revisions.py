@@ -3,12 +3,15 @@ change did not make the engine slower (run-to-run and day-to-day variation on a 
 larger than most changes, so before and after must come from the same run).
 
     python benchmarks/compare_revisions.py BASE [HEAD] [--rounds 3] [--concurrency 1 8 32]
+                                           [--base-flags "..."] [--head-flags "..."]
 
 Each revision is checked out in its own worktree under --work-dir and served from there (`python -m
 jaxserve.cli serve` run in the worktree imports that worktree's jaxserve; both use this virtualenv's
 packages). Both servers start before any load and get the same limits as compare_vllm.py's; this
 checkout's `jaxserve bench serve` drives both, on the same fresh random prompts per round and
-concurrency (256 in / 128 out, --ignore-eos), base then head, round after round; medians.
+concurrency (256 in / 128 out, --ignore-eos), base then head, round after round; medians. BASE and
+HEAD may be the same revision with different serve flags (--base-flags, --head-flags), to measure a
+setting the same way.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +40,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("base")
     parser.add_argument("head", nargs="?", default="HEAD")
+    parser.add_argument("--base-flags", default="", help="extra `jaxserve serve` flags for BASE")
+    parser.add_argument("--head-flags", default="", help="extra `jaxserve serve` flags for HEAD")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompts-per-concurrency", type=int, default=2)
@@ -49,20 +55,20 @@ def main() -> None:
     raw.mkdir(parents=True, exist_ok=True)
     args.hf_dir = export_model(args.work_dir / "smollm2-135m-instruct-hf")  # the client's tokenizer
     revisions = {}
-    for role, rev in (("base", args.base), ("head", args.head)):
+    for role, rev, flags in (("base", args.base, args.base_flags), ("head", args.head, args.head_flags)):
         sha, path = worktree(rev, args.work_dir)
-        revisions[f"{role} {sha}"] = (path, 8300 + len(revisions))
+        revisions[" ".join([role, sha, *shlex.split(flags)])] = (path, 8300 + len(revisions), shlex.split(flags))
     limits = ["--max-model-len", "2048", "--max-num-seqs", "32", "--max-num-batched-tokens", "512",
               "--kv-cache-memory-gib", "1"]
     runs = {name: {c: [] for c in args.concurrency} for name in revisions}
     with contextlib.ExitStack() as stack:
         startup = {name: stack.enter_context(server(
-            name, [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), *limits], port,
-            raw / f"{name.replace(' ', '-')}.log", cwd=path)) for name, (path, port) in revisions.items()}
+            name, [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), *limits, *flags], port,
+            raw / f"{name.replace(' ', '-')}.log", cwd=path)) for name, (path, port, flags) in revisions.items()}
         for round_no in range(args.rounds):
             for concurrency in args.concurrency:
                 seed = args.seed + 1000 * (round_no + 1) + concurrency
-                for name, (_, port) in revisions.items():
+                for name, (_, port, _) in revisions.items():
                     summary = bench(name, port, concurrency, max(6, args.prompts_per_concurrency * concurrency),
                                     seed, args, raw / f"{name.replace(' ', '-')}-c{concurrency}-r{round_no}.json")
                     runs[name][concurrency].append(summary)
