@@ -20,13 +20,20 @@ import dataclasses
 import re
 from typing import Any, Callable
 
+from jaxserve.device_defaults import CPU, GPU
+
 # auto: the Pallas kernels on a Hopper GPU when the model fits them, the C++ kernel of cpu_ffi.py on a
 # CPU with float32 pages, else XLA (attention_backends.py says why it chose).
 ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas", "pallas-interpret")
 # auto: the C++ packed-weight matmul on a CPU (float32) when it builds, else XLA's dot.
 MATMUL_BACKENDS = ("auto", "xla", "cpu")
-DTYPES = ("float32", "bfloat16")
-DEFAULT_MAX_MODEL_LEN = 2048  # the cap on the model's own context length when max_model_len is unset
+# auto: float32 on a CPU (its fast dtype), bfloat16 on a GPU (the Pallas kernels'; float16 is not supported).
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def _per_device(setting: str) -> str:
+    """The help's "(default: ...)" of a limit that device_defaults.py chooses when it is unset."""
+    return f"(default: {getattr(CPU, setting)} on a CPU, {getattr(GPU, setting)} on a GPU)"
 
 
 def parse_size(text: str) -> int:
@@ -54,18 +61,26 @@ def setting(default: Any, help: str, *, flag: bool = True, choices: tuple | None
 class EngineConfig:
     """How the engine runs a model: page pool, batch limits, buckets, backends."""
 
+    # A setting left None (dtype "auto") is chosen for the device at start-up: device_defaults.py.
     max_model_len: int | None = setting(
-        None, f"most tokens (prompt plus output) one sequence may hold (default: the model's context length, "
-              f"at most {DEFAULT_MAX_MODEL_LEN})")
+        None, f"most tokens (prompt plus output) one sequence may hold (default: the model's context length, at "
+              f"most what the KV pool holds and, on a CPU, {CPU.max_model_len_cap})")
     block_size: int = setting(16, "tokens per KV page")
-    max_num_seqs: int = setting(32, "most sequences in one step")
-    max_num_batched_tokens: int = setting(512, "token budget of one step; longer prompts are prefilled in chunks")
+    max_num_seqs: int | None = setting(None, "most sequences in one step " + _per_device("max_num_seqs"))
+    max_num_batched_tokens: int | None = setting(
+        None, "token budget of one step; longer prompts are prefilled in chunks "
+              + _per_device("max_num_batched_tokens"))
     num_kv_pages: int | None = setting(None, "KV pages in the pool (fixes its size; else kv_cache_memory_bytes does)")
-    kv_cache_memory_bytes: int = setting(512 * 2**20, "memory for the KV page pool, e.g. 512MiB or 4GiB "
-                                                      "(ignored with --num-kv-pages)",
-                                         parse=parse_size, unit_alias=("--kv-cache-memory-gib", 2**30, "GiB"))
-    dtype: str = setting("float32", "weights, activations and KV pages (float32 is the fast dtype on a CPU)",
-                         choices=DTYPES)
+    kv_cache_memory_bytes: int | None = setting(
+        None, f"memory for the KV page pool on each device, e.g. 512MiB or 4GiB (ignored with --num-kv-pages; "
+              f"default: {CPU.kv_cache_memory_bytes // 2**20}MiB on a CPU, on a GPU what gpu_memory_utilization "
+              f"leaves after the weights and a step's activations)",
+        parse=parse_size, unit_alias=("--kv-cache-memory-gib", 2**30, "GiB"))
+    gpu_memory_utilization: float = setting(
+        0.9, "the share of each GPU's memory (what XLA may allocate) the engine may use, its KV cache included; "
+             "sizes the KV cache when kv_cache_memory_bytes and num_kv_pages are unset")
+    dtype: str = setting("auto", f"weights, activations and KV pages; auto: {CPU.dtype} on a CPU, "
+                                 f"{GPU.dtype} on a GPU", choices=DTYPES)
     seed: int = setting(0, "seed of the seeds drawn for requests that bring none")
     enable_prefix_caching: bool = setting(True, "reuse the KV pages of earlier prompts' common prefixes")
     mixed_batches: bool = setting(True, "let prompt chunks and decode rows share a step (off: prompts and "
@@ -105,7 +120,7 @@ class EngineConfig:
         check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
               f"{self.block_size=} must be a power of two")
         check(self.max_model_len is None or self.max_model_len > 0, f"{self.max_model_len=} must be positive")
-        check(self.max_num_seqs > 0, f"{self.max_num_seqs=} must be positive")
+        check(self.max_num_seqs is None or self.max_num_seqs > 0, f"{self.max_num_seqs=} must be positive")
         check(self.tensor_parallel_size >= 1, f"{self.tensor_parallel_size=} must be at least 1")
         check(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes,
               f"{self.node_rank=} must be in [0, {self.nnodes=})")
@@ -113,28 +128,22 @@ class EngineConfig:
               f"{self.tensor_parallel_size=} must be a multiple of {self.nnodes=} (devices on each host)")
         check(self.nnodes == 1 or bool(re.fullmatch(r".+:[0-9]+", self.dist_init_addr or "")),
               f"{self.dist_init_addr=} must be HOST:PORT with {self.nnodes=}")
-        check(self.max_num_batched_tokens >= self.min_prefill_bucket,
+        check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= self.min_prefill_bucket,
               f"{self.max_num_batched_tokens=} must be at least {self.min_prefill_bucket=}")
-        check(self.max_num_batched_tokens >= self.max_num_seqs,
+        check(None in (self.max_num_batched_tokens, self.max_num_seqs)
+              or self.max_num_batched_tokens >= self.max_num_seqs,
               f"{self.max_num_batched_tokens=} must be at least {self.max_num_seqs=}")
         check(self.num_kv_pages is None or self.num_kv_pages >= 1, f"{self.num_kv_pages=} must be at least 1")
-        check(self.kv_cache_memory_bytes > 0, f"{self.kv_cache_memory_bytes=} must be positive")
+        check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+              f"{self.kv_cache_memory_bytes=} must be positive")
+        check(0 < self.gpu_memory_utilization <= 1, f"{self.gpu_memory_utilization=} must be in (0, 1]")
         check(not (self.attention_backend == "pallas-interpret" and self.forbid_compilation_after_warmup),
               "attention_backend='pallas-interpret' compiles the GPU interpreter's helpers while it runs: "
               "it cannot be combined with forbid_compilation_after_warmup=True")
 
-    def for_model(self, max_position_embeddings: int) -> "EngineConfig":
-        """This config with max_model_len settled for a model of that context length."""
-        if self.max_model_len is None:
-            return dataclasses.replace(self, max_model_len=min(DEFAULT_MAX_MODEL_LEN, max_position_embeddings))
-        if self.max_model_len > max_position_embeddings:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
-                             f"max_position_embeddings={max_position_embeddings}")
-        return self
-
     @property
     def pages_per_seq(self) -> int:
-        assert self.max_model_len is not None, "call for_model() first"
+        assert self.max_model_len is not None, "resolve the defaults first (device_defaults.resolve)"
         return -(-self.max_model_len // self.block_size)
 
 
