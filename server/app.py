@@ -4,13 +4,17 @@ A generation request goes: parse (`protocol.py`) -> validate and tokenize off th
 (`prompts.py`) -> admit (`admission.py`) -> read the engine streams whole or as SSE
 (`streaming.py`), shaped by the endpoint's `ChoiceFormat` (`responses.py`). Errors everywhere
 take one shape (`errors.py`). The engine runs in its own thread (`jaxserve.engine_loop`); routes
-only submit, read per-request streams and abort.
+only submit, read per-request streams and abort. `GET /` serves the chat page (`static/`), a client of
+these routes that runs in the browser.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import FileResponse, Response
+from fastapi.staticfiles import StaticFiles
 
 import jaxserve
 from jaxserve.engine_loop import EngineLoop
@@ -21,9 +25,17 @@ from server.protocol import ChatCompletionRequest, CompletionRequest, Detokenize
 from server.responses import ChatFormat, ChoiceFormat, CompletionFormat, whole_response
 from server.streaming import collect, sse_response
 
+STATIC_DIR = Path(__file__).parent / "static"
+# The page loads only its own files (it works offline), and a reply's Markdown can load or run nothing.
+CHAT_PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                               "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "Cache-Control": "no-cache",
+}
+
 
 def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_body_bytes: int,
-               api_key: str | None = None, max_queued_requests: int = 256) -> FastAPI:
+               api_key: str | None = None, max_queued_requests: int = 256, chat_page: bool = True) -> FastAPI:
     app = FastAPI(title="jaxserve", version=jaxserve.__version__,
                   description="OpenAI-compatible API of the jaxserve inference engine")
     state = ServerState(engine_loop, served_model_name, max_queued_requests)
@@ -32,6 +44,13 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_b
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)  # outermost: before auth
+
+    if chat_page:
+        app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+        @app.get("/", include_in_schema=False)
+        async def chat():
+            return FileResponse(STATIC_DIR / "index.html", headers=CHAT_PAGE_HEADERS)
 
     @app.get("/health")
     async def health():

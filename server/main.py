@@ -42,7 +42,7 @@ def serve(args: argparse.Namespace) -> None:
                                       else "SmolLM2-135M-Instruct")
     api_key = args.api_key or os.environ.get("JAXSERVE_API_KEY")
     app = create_app(engine_loop, name, api_key=api_key, max_queued_requests=args.max_queued_requests,
-                     max_request_body_bytes=args.max_request_body_bytes)
+                     max_request_body_bytes=args.max_request_body_bytes, chat_page=args.chat_page)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -100,6 +100,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template (a file, or the template itself) to use instead of the "
                              "model's own, for a model that ships none")
+    parser.add_argument("--no-chat-page", dest="chat_page", action="store_false",
+                        help="do not serve the chat page on / (the API is unchanged)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM/SIGINT, seconds to let in-flight requests finish before ending them "
                              "with an error")
