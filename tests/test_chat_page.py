@@ -158,11 +158,13 @@ def _wait_for(condition, timeout_s: float, what: str):
         time.sleep(0.05)
 
 
-def _settings(page, **values):
+def _settings(page, screenshot: Path | None = None, **values):
     """Opens the settings panel, types the values (by input id), closes it with Done."""
     page.get_by_role("button", name="Settings").click()
     for input_id, value in values.items():
         page.locator(f"#{input_id}").fill(str(value))
+    if screenshot is not None:
+        page.screenshot(path=screenshot)
     page.get_by_role("button", name="Done").click()
 
 
@@ -181,7 +183,7 @@ def test_chat_in_a_browser(browser, server, artifacts):
     """One page through a conversation: Shift+Enter is a newline; the question streams 'Paris' in (the
     reply's text is seen growing) with its tokens, time to first token and tokens/s; a server error
     shows in the conversation; Stop aborts a long reply and the server's running count returns to 0;
-    New chat empties the conversation; a phone-sized window does not scroll sideways."""
+    New chat empties the conversation; a phone-sized window (dark) does not scroll sideways."""
     page = browser.new_page(viewport={"width": 1100, "height": 800})
     page.goto(server.url + "/")
     page.get_by_text("Ask SmolLM2-135M-Instruct anything").wait_for()
@@ -193,7 +195,7 @@ def test_chat_in_a_browser(browser, server, artifacts):
     box.type("two")
     assert box.input_value() == "one\ntwo" and page.locator(".message").count() == 0
 
-    _settings(page, **{"temperature": 0, "max-tokens": 32})
+    _settings(page, artifacts / "settings.png", **{"temperature": 0, "max-tokens": 32})
     page.evaluate("""() => {
         window.replyLengths = [];
         new MutationObserver(() => {
@@ -216,7 +218,8 @@ def test_chat_in_a_browser(browser, server, artifacts):
     error = _last_reply(page).locator(".error")
     error.wait_for(timeout=30_000)
     assert "100000" in error.inner_text() and "512" in error.inner_text(), error.inner_text()
-    assert box.input_value() == "Hello"  # given back, to send again
+    assert box.input_value() == "Hello"  # given back, to send again, and the turn left out of the history
+    assert page.locator(".message.user.failed").count() == 1
     page.screenshot(path=artifacts / "error.png")
 
     _settings(page, **{"max-tokens": 400})
@@ -224,6 +227,7 @@ def test_chat_in_a_browser(browser, server, artifacts):
     reply = _last_reply(page)
     _wait_for(lambda: len(reply.locator(".body").inner_text()) > 40, 60, "the long reply to start")
     assert _running(server.url) == 1
+    page.screenshot(path=artifacts / "streaming.png")
     page.get_by_role("button", name="Stop").click()
     _wait_for(lambda: _running(server.url) == 0, 10, "the running count to return to 0 after Stop")
     reply.locator(".stats").wait_for()
@@ -236,11 +240,12 @@ def test_chat_in_a_browser(browser, server, artifacts):
     page.get_by_text("Ask SmolLM2-135M-Instruct anything").wait_for()
 
     page.set_viewport_size({"width": 390, "height": 760})
+    page.emulate_media(color_scheme="dark")
     _settings(page, **{"max-tokens": 80})
     _ask(page, "Write a Python function that adds two numbers.")
     _last_reply(page).locator(".stats").wait_for(timeout=60_000)
     assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
-    page.screenshot(path=artifacts / "phone.png")
+    page.screenshot(path=artifacts / "phone_dark.png")
     page.close()
 
 

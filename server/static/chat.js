@@ -218,7 +218,7 @@ async function send(text) {
   if (chat.controller || !text.trim()) return;
   const messages = chat.messages;  // "New chat" during the reply swaps in a new list; this turn stays in the old
   messages.push({ role: "user", content: text });
-  addMessage("user", text);
+  const question = addMessage("user", text);
   const article = addMessage("assistant");
   const body = article.querySelector(".body");
   article.setAttribute("aria-busy", "true");
@@ -283,6 +283,7 @@ async function send(text) {
   } else if (error || stopped) {
     // Nothing came back: drop the turn from what the next request sends, and give the text back.
     messages.pop();
+    question.classList.add("failed");
     body.remove();
     if (!prompt.value && messages === chat.messages) prompt.value = text;
   }
@@ -308,10 +309,12 @@ function stop() {
 }
 
 function setBusy(busy) {
+  const lost = [document.body, $("send"), $("stop")].includes(document.activeElement);
   $("send").hidden = busy;
   $("stop").hidden = !busy;
-  if (busy) $("stop").focus();
-  else prompt.focus();
+  // Typing goes on while a reply streams (Esc or the Stop button stops it); focus that a hidden
+  // button held goes back to the message box.
+  if (lost) prompt.focus();
 }
 
 // ---------------------------------------------------------------------------------------------
