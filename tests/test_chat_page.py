@@ -25,7 +25,8 @@ from server.app import STATIC_DIR, create_app
 from server_helpers import REPO_ROOT, metric, metric_samples, run_server
 
 CHROMIUM = "/usr/bin/chromium"
-# Headless on a machine without a display or network: without the background-networking flags Chromium keeps dialling out.
+# Headless, for a machine without a display or network: without the background-networking flags
+# Chromium keeps dialling out.
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 # The engine shape of test_server's default-model test, so the executables come from the session's cache.
