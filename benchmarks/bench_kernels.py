@@ -12,6 +12,9 @@ calls after a warm-up, each call waited for. Two ceilings are measured first in 
 device-to-device copy (bytes read + written) and a large bfloat16 matmul. A decode case reads every
 key and value of its sequences once, so its floor is KV bytes / copy bandwidth; a prefill case is
 compute-bound, so it is compared with the matmul rate (causal FLOPs only: masked keys not counted).
+Each result records the tiles the kernel chose (prefill: two consumer warpgroups of 64 query rows and a
+producer, `kv_tile` keys per ring stage); the prefill target is 40% of the matmul rate on the 4x1024 and
+2x4096 cases.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pallas_kernels as pk  # noqa: E402
+from pallas_kernels.common import COMPUTE_WARPGROUPS, ROWS, choose_prefill_config  # noqa: E402
 from jaxserve.attention import AttentionMetadata, ragged_paged_attention as xla_attention  # noqa: E402
 
 PAGE_SIZE = 16
@@ -134,6 +138,10 @@ def run_case(case: Case, seed: int, repeats: int, interpret: bool) -> dict:
 
     out = np.asarray(pallas(*args).astype(jnp.float32))
     result = {"case": case.name, **dataclasses.asdict(case)}
+    if case.kind == "prefill":
+        cfg = choose_prefill_config(case.head_dim, PAGE_SIZE)
+        result["tiles"] = (f"{COMPUTE_WARPGROUPS}x{ROWS} rows + producer, kv_tile {cfg.kv_tile}, "
+                           f"{cfg.num_stages} stages")
     if case.num_seqs * case.q_len * case.context <= 2**24:  # the dense reference's memory stays small
         ref = np.asarray(jax.jit(functools.partial(reference_fn, scale=scale))(*args).astype(jnp.float32))
         result["max_abs_error"] = float(np.abs(out - ref).max())
@@ -173,7 +181,8 @@ def main(argv=None) -> int:
         r["floor_ms"] = 1e3 * floor
         results.append(r)
         print(f"[{i + 1}/{len(cases)}] {case.name}: pallas {r['pallas_ms']:.3f} ms, xla {r['xla_ms']:.3f} ms, "
-              f"error {r.get('max_abs_error', float('nan')):.1e}", flush=True)
+              f"error {r.get('max_abs_error', float('nan')):.1e}" + (f" ({r['tiles']})" if "tiles" in r else ""),
+              flush=True)
 
     print("\n| case | Pallas ms | XLA ms | XLA / Pallas | floor ms | Pallas vs floor | max abs err | rel err |")
     print("|---|---|---|---|---|---|---|---|")

@@ -1,17 +1,20 @@
 """What the Mosaic GPU (Hopper) paged-attention kernels share: shape rules, tile sizes, and the
-in-kernel loop over KV tiles (TMA page copies -> QK^T -> online softmax -> PV on the tensor cores).
+decode kernel's in-kernel loop over KV tiles (TMA page copies -> QK^T -> online softmax -> PV on the
+tensor cores).
 
-One program owns a tile of `ROWS` = 64 query rows (wgmma's M) against one KV head. Rows are
-(token, query head of the GQA group) pairs, token-major, so a tile holds 64 // group tokens. K/V are
-read page by page with TMA (`copy_gmem_to_smem`) straight from the layer's pages,
-`[num_layers, num_pages, page_size, num_kv_heads, head_dim]`, into a ring of `num_stages` SMEM
-slots of `kv_tile` keys, so the next tile's copies are in flight while this one is computed.
+A warpgroup computes `ROWS` = 64 query rows (wgmma's M) against one KV head. Rows are (token, query
+head of the GQA group) pairs, token-major, so 64 rows hold 64 // group tokens. K/V are read with TMA
+(`copy_gmem_to_smem`) straight from the layer's pages,
+`[num_layers, num_pages, page_size, num_kv_heads, head_dim]`, into a ring of `num_stages` SMEM slots
+of `kv_tile` keys, so the next tile's copies are in flight while this one is computed. The decode
+kernel runs one warpgroup that both copies and computes (`kv_loop`); the ragged kernel runs
+`COMPUTE_WARPGROUPS` consumers and a producer (its own module), sized by `choose_prefill_config`.
 
-Interpret mode (JAX's GPU interpreter, see `interpret.py`) runs the same kernel body with two
+Interpret mode (JAX's GPU interpreter, see `interpret.py`) runs the same kernel bodies with two
 substitutions the 0.10.2 interpreter needs: register-layout casts are dropped (they carry no math),
 and QK^T is a jnp dot over the same SMEM tiles, because the interpreter cannot read a wgmma operand
-through `transpose_ref`. Everything else -- TMA copies, barriers, masks, softmax, the PV wgmma --
-is the code that lowers for CUDA.
+through `transpose_ref`. Everything else -- TMA copies, barriers, masks, softmax, the PV wgmma, and
+the ragged kernel's warpgroups (simulated as threads) -- is the code that lowers for CUDA.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-ROWS = 64  # query rows per program: Hopper's wgmma M
+ROWS = 64  # query rows per compute warpgroup: Hopper's wgmma M
+COMPUTE_WARPGROUPS = 2  # the ragged kernel's consumers; its producer warpgroup issues the K/V copies
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SMEM_BYTES = 232448 - 4096  # H100/H200 shared memory per thread block, less room for barriers
 NEG_INF = -1e30  # finite: a fully masked row gives zeros, never NaN
@@ -40,7 +44,7 @@ class UnsupportedShapeError(ValueError):
 class KernelConfig:
     """Static tile sizes of one kernel instance."""
 
-    kv_tile: int  # keys per loop step (whole pages), the wgmma N of QK^T and K of PV
+    kv_tile: int  # keys per loop step, the wgmma N of QK^T and K of PV: whole pages (ragged: or part of one)
     num_stages: int  # SMEM ring depth for K/V tiles
 
 
@@ -49,6 +53,34 @@ def smem_bytes(cfg: KernelConfig, head_dim: int, itemsize: int, decode: bool) ->
     kv = 2 * cfg.num_stages * cfg.kv_tile * head_dim * itemsize + ROWS * cfg.kv_tile * itemsize  # K, V, P
     out = ROWS * head_dim * 4 + ROWS * 4 if decode else 0  # f32 partial output and lse, after the loop
     return q + max(kv, out)
+
+
+def prefill_smem_bytes(cfg: KernelConfig, head_dim: int, itemsize: int) -> int:
+    """The ragged kernel's SMEM: a Q tile and a P tile per compute warpgroup, and the K/V ring."""
+    q = COMPUTE_WARPGROUPS * ROWS * head_dim
+    kv = 2 * cfg.num_stages * cfg.kv_tile * head_dim
+    p = COMPUTE_WARPGROUPS * ROWS * cfg.kv_tile
+    return (q + kv + p) * itemsize
+
+
+def choose_prefill_config(head_dim: int, page_size: int) -> KernelConfig:
+    """The ragged kernel's tiles: KV tiles of 128 keys, else 64, in the deepest ring (3 or 2 stages) that fits.
+
+    A KV tile may be a slice of one page or span several whole pages (both are powers of two), so
+    every page size gets a ring of at least two stages: with a producer warpgroup, one stage would
+    leave the copies of tile j + 1 waiting for tile j's PV. Sized for 2-byte K/V, the GPU's dtype.
+    """
+    for kv_tile in (128, 64):
+        for num_stages in (3, 2):
+            cfg = KernelConfig(kv_tile, num_stages)
+            if prefill_smem_bytes(cfg, head_dim, 2) <= SMEM_BYTES:
+                return cfg
+    raise UnsupportedShapeError(f"no two-stage ring of 64-key tiles fits in shared memory for {head_dim=}")
+
+
+def copies_per_kv_tile(kv_tile: int, page_size: int) -> int:
+    """TMA copies that fill one KV tile of K (or V): one per page, or one slice of a larger page."""
+    return max(1, kv_tile // page_size)
 
 
 def check_supported(*, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype,
@@ -68,8 +100,8 @@ def check_supported(*, num_heads: int, num_kv_heads: int, head_dim: int, page_si
             "use dtype='bfloat16' (float32 runs only in interpret mode)")
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         raise UnsupportedShapeError(f"KV dtype {dtype} is not supported (bfloat16, or float32 in interpret mode)")
-    for decode in (False, True):
-        choose_config(head_dim, page_size, decode)
+    choose_prefill_config(head_dim, page_size)
+    choose_config(head_dim, page_size, decode=True)
 
 
 def choose_config(head_dim: int, page_size: int, decode: bool) -> KernelConfig:

@@ -3,8 +3,9 @@
 Lowering for CUDA on a CPU-only machine (`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`)
 runs Mosaic GPU's Python pipeline down to the NVVM/LLVM dialects and stores each kernel's module as
 bytecode in a `mosaic_gpu_v2` custom call. Reading those modules back shows whether a kernel really
-got the tensor-core (wgmma) and TMA instructions it was written for. PTX assembly happens only on a
-GPU, so this is as far as a CPU machine can see.
+got the tensor-core (wgmma) and TMA instructions it was written for, and how it is launched: threads
+per block (128 per warpgroup) and dynamic shared memory, the operands of the module's `gpu.launch`.
+PTX assembly happens only on a GPU, so this is as far as a CPU machine can see.
 """
 
 from __future__ import annotations
@@ -17,14 +18,24 @@ from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib.mlir import ir
 
 MOSAIC_GPU_TARGET = "mosaic_gpu_v2"
-_INSTRUCTIONS = re.compile(r"wgmma\.mma_async[\w.]*|cp\.async\.bulk\.tensor\.[\w.]*|mbarrier\.try_wait[\w.]*")
+_INSTRUCTIONS = re.compile(r"wgmma\.mma_async[\w.]*|cp\.async\.bulk\.tensor\.[\w.]*|mbarrier\.try_wait[\w.]*"
+                           r"|setmaxregister")
+_LAUNCH = re.compile(r'"stable_mosaic_gpu\.gpu\.launch"\(%\w+((?:, %\w+){7})\)')  # token, grid xyz, block xyz, smem
+_CONSTANT = re.compile(r'(%\w+) = "stable_mosaic_gpu\.arith\.constant"\(\) \{value = (\d+) : (?:index|i32)\}')
+THREADS_PER_WARPGROUP = 128
 _KERNEL_NAME = re.compile(r'sym_name = "(\w+)_mosaic_gpu"')
 
 
 @dataclasses.dataclass(frozen=True)
 class LoweredKernel:
     name: str  # the kernel_name given to plgpu.kernel
-    instructions: tuple[str, ...]  # distinct wgmma / TMA / mbarrier-wait instructions in its module
+    instructions: tuple[str, ...]  # distinct wgmma / TMA / mbarrier-wait / setmaxregister ops in its module
+    threads_per_block: int = 0  # 0: no launch found
+    smem_bytes: int = 0  # dynamic shared memory per block
+
+    @property
+    def warpgroups(self) -> int:
+        return self.threads_per_block // THREADS_PER_WARPGROUP
 
     @property
     def uses_wgmma(self) -> bool:
@@ -68,8 +79,22 @@ def mosaic_kernels(lowered) -> list[LoweredKernel]:
         with context:
             text = str(ir.Module.parse(module_bytes))
         name = _KERNEL_NAME.search(text)
-        kernels.append(LoweredKernel(name.group(1) if name else "?", tuple(sorted(set(_INSTRUCTIONS.findall(text))))))
+        kernels.append(LoweredKernel(name.group(1) if name else "?", tuple(sorted(set(_INSTRUCTIONS.findall(text)))),
+                                     *_launch_shape(text)))
     return kernels
+
+
+def _launch_shape(text: str) -> tuple[int, int]:
+    """(threads per block, dynamic SMEM bytes) from the module's gpu.launch, whose sizes are constants."""
+    launch = _LAUNCH.search(text)
+    if not launch:
+        return 0, 0
+    constants = {name: int(value) for name, value in _CONSTANT.findall(text[:launch.start()])}
+    operands = [constants.get(name.strip()) for name in launch.group(1).split(",")[1:]]
+    if None in operands[3:]:
+        return 0, 0
+    block_x, block_y, block_z, smem = operands[3:]
+    return block_x * block_y * block_z, smem
 
 
 def _register_mosaic_gpu_dialect(context) -> None:

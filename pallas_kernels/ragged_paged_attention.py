@@ -2,10 +2,20 @@
 
 Queries of many sequences lie on one token axis (`cu_q_lens`); each sequence attends causally over
 its cached prefix and its own chunk, read through its block table (the metadata contract of
-`jaxserve/attention.py`). XLA cuts the token axis into tiles of 64 // group tokens that never span
-two sequences and lays each tile out as 64 (token, query head) rows per KV head; the kernel runs one
-program per (tile, KV head), so GQA groups share every K/V page they load. XLA scatters the tiles
-back. `ragged_paged_attention_reference` below is the plain-jnp statement of the same function.
+`jaxserve/attention.py`). XLA cuts the token axis into tiles of 2 x (64 // group) tokens that never
+span two sequences and lays each tile out, per KV head, as two blocks of 64 (token, query head) rows;
+the kernel runs one program per (tile, KV head), so GQA groups share every K/V page they load. XLA
+scatters the tiles back. `ragged_paged_attention_reference` below is the plain-jnp statement of the
+same function.
+
+A program is warp-specialized, as FlashAttention-3 and JAX's `attention_mgpu.py` are: three
+warpgroups, of which the last (the producer, its registers given to the others) only issues the TMA
+copies of K/V pages into a ring of `num_stages` SMEM slots, and the other two (the consumers) each own
+one 64-row block (wgmma's M) and run QK^T, the online softmax and PV on it. Each ring slot has a
+"full" barrier (its copies landed) and a "free" one (both consumers are done with it: K after QK^T, V
+after PV), so copies run ahead of the math by up to `num_stages` tiles and never overwrite a tile in
+use. Both consumers step through all of the program's KV tiles in order, to keep the barriers' phases
+in step, but each computes only the tiles its own rows can see and passes over the others.
 
 The new K/V are not written here: `jaxserve.attention.write_kv` (an XLA scatter) runs first. A fused
 write would need every program of a sequence to see the chunk's keys before any program reads them,
@@ -25,47 +35,169 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import common
 from pallas_kernels.interpret import interpret_params
-from pallas_kernels.common import ROWS
+from pallas_kernels.common import COMPUTE_WARPGROUPS, ROWS
 
 
-def _kernel(meta_ref, kv_lens_ref, block_tables_ref, scalars_ref, q_ref, k_ref, v_ref, o_ref, q_smem, q_bar,
-            *, group, cfg, page_size, scale, soft_cap, interpret):
-    tile, kv_head = lax.axis_index("tile"), lax.axis_index("kv_head")
+def _kernel(meta_ref, kv_lens_ref, block_tables_ref, scalars_ref, q_ref, k_ref, v_ref, o_ref, q_smem, p_smem,
+            k_smem, v_smem, q_bar, k_full, v_full, k_free, v_free, *, group, cfg, page_size, scale, soft_cap,
+            interpret):
+    """One program: consumers wg 0 and 1 (rows of tokens [0, 64 // group) and [64 // group, 2 x that) of
+    the tile), producer wg 2."""
+    tile, kv_head, wg = lax.axis_index("tile"), lax.axis_index("kv_head"), lax.axis_index("wg")
     layer, window = scalars_ref[0], scalars_ref[1]
     seq, first_pos, num_q = meta_ref[0, tile], meta_ref[1, tile], meta_ref[2, tile]
     kv_len = kv_lens_ref[seq]
-    pages_per_seq = block_tables_ref.shape[1]
-    tk = cfg.kv_tile
+    tk, stages = cfg.kv_tile, cfg.num_stages
+    wg_tokens = ROWS // group
+
+    kv_tiles = functools.partial(kv_tile_range, kv_len=kv_len, window=window, kv_tile=tk)
+    first_kv_tile, num_kv_tiles = kv_tiles(first_pos, num_q)  # the ring steps of every warpgroup
+
+    @pl.when(wg == COMPUTE_WARPGROUPS)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")  # the consumers take the register file
+        _produce(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free, block_tables_ref,
+                 layer=layer, kv_head=kv_head, seq=seq, first_kv_tile=first_kv_tile, num_kv_tiles=num_kv_tiles,
+                 cfg=cfg, page_size=page_size)
+
+    @pl.when(wg < COMPUTE_WARPGROUPS)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")  # 2 x 128 x 232 + 128 x 40 <= 64K registers
+        wg_first_pos = first_pos + wg * wg_tokens
+        wg_num_q = jnp.clip(num_q - wg * wg_tokens, 0, wg_tokens)
+        lo, hi = consumer_steps((first_kv_tile, num_kv_tiles), kv_tiles(wg_first_pos, wg_num_q))
+        q_wg, p_wg = q_smem.at[wg], p_smem.at[wg]  # [ROWS, head_dim], [ROWS, kv_tile]
+
+        @pl.when(wg_num_q > 0)
+        def _():
+            plgpu.copy_gmem_to_smem(q_ref.at[tile, kv_head, wg], q_wg, q_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[wg])
+
+        def pass_over(step, _):  # a tile this warpgroup's rows cannot see: wait (keeps phases) and release
+            slot = lax.rem(step, stages)
+            for full, free in ((k_full, k_free), (v_full, v_free)):
+                plgpu.barrier_wait(full.at[slot])
+                plgpu.barrier_arrive(free.at[slot])
+
+        q_pos = wg_first_pos + common.row_iota(interpret, tk) // group  # [ROWS, tk]
+
+        def mask_of(key_pos):
+            mask = (key_pos <= q_pos) & (key_pos < kv_len)
+            return mask & ((window <= 0) | (key_pos > q_pos - window))
+
+        lax.fori_loop(0, lo, pass_over, None)
+        acc, _, l = _consume(q_wg, p_wg, k_smem, v_smem, k_full, v_full, k_free, v_free, lo=lo, hi=hi,
+                             first_kv_tile=first_kv_tile, mask_of=mask_of, cfg=cfg, scale=scale, soft_cap=soft_cap,
+                             interpret=interpret)
+        lax.fori_loop(hi, num_kv_tiles, pass_over, None)
+
+        @pl.when(wg_num_q > 0)
+        def _():
+            l_safe = jnp.where(l > 0, l, 1.0)
+            chunk = acc[0].shape[1]
+            for c, a in enumerate(acc):  # this warpgroup's Q tile is free now: stage the output there
+                q_wg[:, pl.ds(c * chunk, chunk)] = (a / lax.broadcast_in_dim(l_safe, a.shape, [0])).astype(q_wg.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_wg, o_ref.at[tile, kv_head, wg])
+            plgpu.wait_smem_to_gmem(0)
+
+
+def kv_tile_range(first_pos, num_q, *, kv_len, window, kv_tile):
+    """(first, count): the KV tiles that rows at positions first_pos + [0, num_q) can see (causal, window)."""
     key_end = jnp.minimum(first_pos + num_q, kv_len)
     key_start = jnp.where(window > 0, jnp.maximum(first_pos - window + 1, 0), 0)
-    first_kv_tile = key_start // tk
-    num_kv_tiles = jnp.where(num_q > 0, common.cdiv(key_end, tk) - first_kv_tile, 0)
+    first = key_start // kv_tile
+    return first, jnp.where(num_q > 0, common.cdiv(key_end, kv_tile) - first, 0)
 
-    plgpu.copy_gmem_to_smem(q_ref.at[tile, kv_head], q_smem, q_bar)
-    plgpu.barrier_wait(q_bar)
-    q_pos = first_pos + common.row_iota(interpret, tk) // group  # [ROWS, tk]
 
-    def page_of(kv_tile, i):
-        return block_tables_ref[seq, jnp.minimum(kv_tile * (tk // page_size) + i, pages_per_seq - 1)]
+def consumer_steps(program_range, consumer_range):
+    """A consumer's ring steps [lo, hi) within its program's, from their kv_tile_range: it computes those
+    and passes over the others (none computed when its rows are padding)."""
+    (first, count), (wg_first, wg_count) = program_range, consumer_range
+    lo = jnp.where(wg_count > 0, wg_first - first, count)
+    return lo, lo + wg_count
 
-    def mask_of(key_pos):
-        mask = (key_pos <= q_pos) & (key_pos < kv_len)
-        return mask & ((window <= 0) | (key_pos > q_pos - window))
 
-    def loop(*scratch):
-        return common.kv_loop(q_smem, k_ref, v_ref, scratch, layer=layer, kv_head=kv_head, page_of=page_of,
-                              first_kv_tile=first_kv_tile, num_kv_tiles=num_kv_tiles, mask_of=mask_of, cfg=cfg,
-                              page_size=page_size, scale=scale, soft_cap=soft_cap, interpret=interpret)
+def _produce(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free, block_tables_ref, *, layer, kv_head,
+             seq, first_kv_tile, num_kv_tiles, cfg, page_size):
+    """Fills the ring: step j's K and V copies go to slot j % num_stages once both consumers freed it."""
+    tk, stages = cfg.kv_tile, cfg.num_stages
+    copies = common.copies_per_kv_tile(tk, page_size)
+    rows_per_copy = min(tk, page_size)
+    pages_per_seq = block_tables_ref.shape[1]
 
-    head_dim = q_smem.shape[1]
-    acc, _, l = pl.run_scoped(loop, *common.kv_scratch(cfg, head_dim, page_size, q_smem.dtype))
-    l = jnp.where(l > 0, l, 1.0)
-    chunk = acc[0].shape[1]
-    for c, a in enumerate(acc):  # the Q tile's SMEM is free now: stage the output there
-        q_smem[:, pl.ds(c * chunk, chunk)] = (a / lax.broadcast_in_dim(l, a.shape, [0])).astype(q_smem.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, o_ref.at[tile, kv_head])
-    plgpu.wait_smem_to_gmem(0)
+    def issue(ref, smem, full, step, slot):
+        key = (first_kv_tile + step) * tk
+        for i in range(copies):
+            page = block_tables_ref[seq, jnp.minimum(key // page_size + i, pages_per_seq - 1)]
+            src = ref.at[layer, page, pl.ds(key % page_size, rows_per_copy), kv_head, :]
+            plgpu.copy_gmem_to_smem(src, smem.at[slot, pl.ds(i * rows_per_copy, rows_per_copy)], full.at[slot])
+
+    @pl.loop(0, num_kv_tiles)
+    def _(step):
+        slot = lax.rem(step, stages)
+        for ref, smem, full, free in ((k_ref, k_smem, k_full, k_free), (v_ref, v_smem, v_full, v_free)):
+            pl.when(step >= stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
+            issue(ref, smem, full, step, slot)
+
+    @pl.loop(jnp.maximum(num_kv_tiles, stages), num_kv_tiles + stages)
+    def _(step):  # the last tiles' releases: every phase of a barrier is waited for once (the interpreter
+        slot = lax.rem(step, stages)  # checks it); on a GPU this only holds an idle warpgroup until the end
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
+
+
+def _consume(q_smem, p_smem, k_smem, v_smem, k_full, v_full, k_free, v_free, *, lo, hi, first_kv_tile, mask_of,
+             cfg, scale, soft_cap, interpret):
+    """Online softmax of one warpgroup's Q tile [ROWS, D] over ring steps [lo, hi); returns (acc chunks, m, l),
+    m and the exponentials in base 2. Each step frees its K slot after QK^T and its V slot after PV."""
+    head_dim, dtype = q_smem.shape[1], q_smem.dtype
+    tk, stages = cfg.kv_tile, cfg.num_stages
+    chunk = min(head_dim, 128)  # PV in column chunks: fresh accumulators keep register use bounded
+    col = common.layout(lax.broadcasted_iota(jnp.int32, (ROWS, tk), 1), interpret)
+
+    def body(step, carry):
+        acc, m, l = carry
+        slot = lax.rem(step, stages)
+        plgpu.barrier_wait(k_full.at[slot])
+        if interpret:
+            s = lax.dot_general(q_smem[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+        else:
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                return acc_ref[...]
+            s = pl.run_scoped(qk, plgpu.ACC((ROWS, tk), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])  # reading the accumulator waited for the wgmma
+        if soft_cap:
+            s = (soft_cap * common.LOG2E) * jnp.tanh(s * (scale / soft_cap))
+        else:
+            s = s * (scale * common.LOG2E)
+        mask = mask_of((first_kv_tile + step) * tk + col)
+        s = jnp.where(mask, s, common.NEG_INF)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.where(mask, jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
+        l = l * alpha + p.sum(axis=1)
+        p_smem[...] = p.astype(dtype)
+        plgpu.commit_smem()  # P's generic-proxy stores must be visible to the wgmma below
+        plgpu.barrier_wait(v_full.at[slot])
+        new_acc = []
+        for c, a in enumerate(acc):
+            def pv(acc_ref, c=c):
+                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot, :, pl.ds(c * chunk, chunk)])
+                return acc_ref[...]
+            pv_c = pl.run_scoped(pv, plgpu.ACC((ROWS, chunk), jnp.float32))
+            new_acc.append(a * lax.broadcast_in_dim(alpha, a.shape, [0]) + pv_c)
+        plgpu.barrier_arrive(v_free.at[slot])
+        return tuple(new_acc), m_new, l
+
+    init = (
+        tuple(common.layout(jnp.zeros((ROWS, chunk), jnp.float32), interpret) for _ in range(head_dim // chunk)),
+        common.row_layout(jnp.full((ROWS,), common.NEG_INF, jnp.float32), interpret),
+        common.row_layout(jnp.zeros((ROWS,), jnp.float32), interpret),
+    )
+    return lax.fori_loop(lo, hi, body, init)
 
 
 def _tiles(cu_q_lens, kv_lens, num_tokens: int, tile_tokens: int):
@@ -112,14 +244,17 @@ def ragged_paged_attention(
     common.check_supported(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                            page_size=page_size, dtype=dtype, interpret=interpret)
     group = num_heads // num_kv_heads
-    tile_tokens = ROWS // group
-    cfg = common.choose_config(head_dim, page_size, decode=False)
+    wg_tokens = ROWS // group  # tokens per compute warpgroup; a program's tile has COMPUTE_WARPGROUPS of them
+    tile_tokens = COMPUTE_WARPGROUPS * wg_tokens
+    cfg = common.choose_prefill_config(head_dim, page_size)
     meta, rows = _tiles(cu_q_lens, kv_lens, num_tokens, tile_tokens)
     num_tiles = rows.shape[0]
 
     q_tiles = q.reshape(num_tokens, num_kv_heads, group, head_dim).at[rows].get(mode="fill", fill_value=0)
-    q_tiles = q_tiles.transpose(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, tile_tokens * group, head_dim)
-    q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, ROWS - tile_tokens * group), (0, 0))).astype(dtype)
+    q_tiles = q_tiles.reshape(num_tiles, COMPUTE_WARPGROUPS, wg_tokens, num_kv_heads, group, head_dim)
+    q_tiles = q_tiles.transpose(0, 3, 1, 2, 4, 5).reshape(num_tiles, num_kv_heads, COMPUTE_WARPGROUPS,
+                                                          wg_tokens * group, head_dim)
+    q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, 0), (0, ROWS - wg_tokens * group), (0, 0))).astype(dtype)
     scalars = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(sliding_window, jnp.int32)])
 
     kernel = functools.partial(_kernel, group=group, cfg=cfg, page_size=page_size, scale=scale,
@@ -127,23 +262,37 @@ def ragged_paged_attention(
 
     def skip_empty(meta_ref, *refs):  # surplus tiles of the static bound do no work; XLA drops their rows
         pl.when(meta_ref[2, lax.axis_index("tile")] > 0)(lambda: kernel(meta_ref, *refs))
+
+    t = common.tile_transforms(dtype)
+    copies = common.copies_per_kv_tile(cfg.kv_tile, page_size)
+    ring = (cfg.num_stages, cfg.kv_tile, head_dim)
     entry = lambda *refs: pl.run_scoped(  # noqa: E731
         lambda *scratch: skip_empty(*refs, *scratch),
-        plgpu.SMEM((ROWS, head_dim), dtype, transforms=common.tile_transforms(dtype)),
-        plgpu.Barrier(num_arrivals=1),
+        plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, head_dim), dtype, transforms=t),  # Q, then O, per consumer
+        plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, cfg.kv_tile), dtype, transforms=t),  # P, per consumer
+        plgpu.SMEM(ring, dtype, transforms=t),  # K ring
+        plgpu.SMEM(ring, dtype, transforms=t),  # V ring
+        plgpu.Barrier(num_arrivals=1, num_barriers=COMPUTE_WARPGROUPS),  # Q landed, per consumer
+        plgpu.Barrier(num_arrivals=copies, num_barriers=cfg.num_stages),  # K slot full
+        plgpu.Barrier(num_arrivals=copies, num_barriers=cfg.num_stages),  # V slot full
+        plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=cfg.num_stages),  # K slot free
+        plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=cfg.num_stages),  # V slot free
+        collective_axes="wg",
     )
+    num_tma_copies = 2 * cfg.num_stages * copies + COMPUTE_WARPGROUPS
     o_tiles = plgpu.kernel(
         entry,
-        out_type=jax.ShapeDtypeStruct((num_tiles, num_kv_heads, ROWS, head_dim), dtype),
+        out_type=jax.ShapeDtypeStruct((num_tiles, num_kv_heads, COMPUTE_WARPGROUPS, ROWS, head_dim), dtype),
         grid=(num_tiles, num_kv_heads),
         grid_names=("tile", "kv_head"),
+        num_threads=COMPUTE_WARPGROUPS + 1,
+        thread_name="wg",
         compiler_params=plgpu.CompilerParams(),
-        interpret=interpret_params(detect_races=detect_races,
-                                   num_tma_copies=common.max_copies_in_flight(cfg, page_size)) if interpret else False,
+        interpret=interpret_params(detect_races=detect_races, num_tma_copies=num_tma_copies) if interpret else False,
         kernel_name="ragged_paged_attention",
     )(meta, kv_lens, block_tables, scalars, q_tiles, k_pages, v_pages)
 
-    o_tiles = o_tiles[:, :, : tile_tokens * group].reshape(num_tiles, num_kv_heads, tile_tokens, group, head_dim)
+    o_tiles = o_tiles[:, :, :, : wg_tokens * group].reshape(num_tiles, num_kv_heads, tile_tokens, group, head_dim)
     out = jnp.zeros((num_tokens, num_kv_heads, group, head_dim), q.dtype)
     out = out.at[rows].set(o_tiles.transpose(0, 2, 1, 3, 4).astype(q.dtype), mode="drop")
     return out.reshape(num_tokens, num_heads, head_dim)

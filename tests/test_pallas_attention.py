@@ -21,6 +21,7 @@ checks stay in interpret mode, where the race detector lives.
 from __future__ import annotations
 
 import functools
+import importlib
 import itertools
 import types
 
@@ -30,6 +31,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
+from pallas_kernels import common as pk_common
 from jaxserve.attention import ragged_paged_attention as xla_ragged_paged_attention
 from pallas_kernels.interpret import races_found
 from paged_helpers import SeqChunk, assign_pages, make_batch
@@ -65,6 +67,7 @@ def ragged_lengths(page_size: int) -> list[tuple[int, int]]:
         (page_size + 1, 0),
         (page_size - 1, 3),  # a chunk after a cached prefix, not page aligned
         (3, 150),  # a long sequence: > 1 KV tile of 128, and past the sliding window
+        (64, 600),  # a chunk after a long prefix: more KV tiles than ring stages, consumers' ranges differ
     ]
 
 
@@ -193,45 +196,89 @@ def test_decode_kernel_full_grid(head_dim, page_size, group, dtype, features, nu
     run_decode(head_dim, page_size, group, *features, dtype, num_splits, seed=head_dim + page_size + group)
 
 
-@pytest.mark.parametrize("kernel", ["ragged", "decode"])
-def test_no_races_detected(kernel):
+@pytest.mark.parametrize("kernel,window", [("ragged", 0), ("ragged", 19), ("decode", 0)])
+def test_no_races_detected(kernel, window):
     """The interpreter's race detector (one vector clock per TMA copy in flight) finds no unsynchronized
-    access between the TMA copies and the kernel's reads and writes of shared memory."""
+    access between the TMA copies and the kernel's reads and writes of shared memory. The ragged kernel
+    runs its producer and two consumer warpgroups as threads: without a window its ring wraps (the
+    producer waits for released slots); with one, a consumer passes over tiles before its own range."""
     if kernel == "ragged":
-        run_ragged(64, 16, 4, 19, 0.0, "float32", detect_races=True)
+        run_ragged(64, 16, 4, window, 0.0, "float32", detect_races=True)
     else:
-        run_decode(64, 16, 4, 0, 0.0, "float32", num_splits=2, detect_races=True)
+        run_decode(64, 16, 4, window, 0.0, "float32", num_splits=2, detect_races=True)
     assert not races_found()
 
 
-def test_race_detector_catches_a_missing_barrier_wait(monkeypatch):
-    """The race check above can fail: with the wait on each K tile's barrier skipped, the interpreter
-    reports the read of K in shared memory racing with the TMA copy that fills it."""
+def _skip_waits(monkeypatch, module, function, barrier_index):
+    """Replaces module.function by one whose barrier_wait calls on its argument number `barrier_index`
+    (a barrier ref) do nothing; returns the list of skipped waits."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from pallas_kernels import common
+    real, skipped = getattr(module, function), []
 
-    real_kv_loop, skipped = common.kv_loop, []
+    def mutated(*args, **kw):
+        barrier = args[barrier_index]
 
-    def kv_loop_without_k_wait(q_smem, k_ref, v_ref, scratch, **kw):
-        k_bar = scratch[3]
-
-        def barrier_wait(barrier):
-            if getattr(barrier, "ref", barrier) is k_bar:
-                skipped.append(barrier)
+        def barrier_wait(b):
+            if getattr(b, "ref", b) is barrier:
+                skipped.append(b)
             else:
-                plgpu.barrier_wait(barrier)
+                plgpu.barrier_wait(b)
 
-        monkeypatch.setattr(common, "plgpu", types.SimpleNamespace(**{**vars(plgpu), "barrier_wait": barrier_wait}))
-        return real_kv_loop(q_smem, k_ref, v_ref, scratch, **kw)
+        monkeypatch.setattr(module, "plgpu", types.SimpleNamespace(**{**vars(plgpu), "barrier_wait": barrier_wait}))
+        try:
+            return real(*args, **kw)
+        finally:
+            monkeypatch.setattr(module, "plgpu", plgpu)
 
-    monkeypatch.setattr(common, "kv_loop", kv_loop_without_k_wait)
+    monkeypatch.setattr(module, function, mutated)
+    return skipped
+
+
+def test_race_detector_catches_a_missing_barrier_wait(monkeypatch):
+    """The race checks above can fail: with the consumers' wait on each K slot's full barrier skipped, the
+    interpreter reports the read of K racing with the TMA copy that fills it. The window keeps every
+    program's KV tiles within one pass of the ring, so each slot fills once: a skipped wait on a slot that
+    fills again would trip the interpreter's own phase check inside one simulated warpgroup and leave the
+    others waiting on their barriers for ever."""
+    ragged = importlib.import_module("pallas_kernels.ragged_paged_attention")
+    skipped = _skip_waits(monkeypatch, ragged, "_consume", 4)  # (q, p, k, v, k_full, ...)
     try:
-        run_ragged(64, 16, 4, 0, 0.0, "float32", detect_races=True)
+        run_ragged(64, 16, 4, 19, 0.0, "float32", detect_races=True)
     except AssertionError:
         pass  # the numbers may come out right or wrong; the race report is what is checked
     assert skipped, "the mutation did not apply"
     assert races_found()
+
+
+def test_the_ragged_grid_reaches_every_path_of_the_ring():
+    """The default parity cases exercise the warp-specialized kernel's synchronization, not just its math:
+    some program has more KV tiles than ring stages (the producer waits for released slots), some consumer
+    passes over tiles before and after its own range, and some consumer has no rows. Uses the kernel's own
+    range functions on the cases' metadata."""
+    ragged = importlib.import_module("pallas_kernels.ragged_paged_attention")
+    reached = set()
+    for head_dim, page_size, group, window, _, dtype in RAGGED_CASES:
+        q, _, _, md, _ = build_case(ragged_lengths(page_size), page_size=page_size, head_dim=head_dim,
+                                    group=group, dtype=dtype, seed=0)
+        cfg = pk_common.choose_prefill_config(head_dim, page_size)
+        wg_tokens = pk_common.ROWS // group
+        (seq, first_pos, num_q), _ = ragged._tiles(md.cu_q_lens, md.kv_lens, q.shape[0],
+                                                   pk_common.COMPUTE_WARPGROUPS * wg_tokens)
+        kv_tiles = functools.partial(ragged.kv_tile_range, kv_len=md.kv_lens[seq], window=window,
+                                     kv_tile=cfg.kv_tile)
+        program = kv_tiles(first_pos, num_q)
+        live = np.asarray(num_q > 0)
+        if np.any(live & np.asarray(program[1] > cfg.num_stages)):
+            reached.add("ring wraps")
+        for wg in range(pk_common.COMPUTE_WARPGROUPS):
+            wg_num_q = jnp.clip(num_q - wg * wg_tokens, 0, wg_tokens)
+            lo, hi = ragged.consumer_steps(program, kv_tiles(first_pos + wg * wg_tokens, wg_num_q))
+            has_rows = live & np.asarray(wg_num_q > 0)
+            reached |= {name for name, hit in [("passes before", has_rows & np.asarray(lo > 0)),
+                                               ("passes after", has_rows & np.asarray(hi < program[1])),
+                                               ("no rows", live & ~has_rows)] if np.any(hit)}
+    assert reached == {"ring wraps", "passes before", "passes after", "no rows"}
 
 
 def test_reference_matches_the_xla_foundation_path():

@@ -24,6 +24,7 @@ from jaxserve.attention_backends import resolve_attention_backend
 from jaxserve.check_lowering import check_lowering, format_results
 from jaxserve.config import ModelConfig, RopeConfig
 from jaxserve.engine_config import EngineConfig
+from pallas_kernels.common import COMPUTE_WARPGROUPS
 from pallas_kernels.lowering import mosaic_kernels
 
 PAGE_SIZES = (8, 16, 32, 64, 128, 256)
@@ -69,16 +70,30 @@ def test_the_selectable_configs_are_the_expected_ones():
     assert set(selectable_configs()) == expected
 
 
+def assert_launch_shape(lowered_kernel):
+    """The ragged kernel launches three warpgroups (two consumers, one producer that gives its registers
+    up with setmaxnreg); the decode kernel one. Both within an H100's shared memory per block."""
+    if lowered_kernel.name == "ragged_paged_attention":
+        assert lowered_kernel.warpgroups == COMPUTE_WARPGROUPS + 1, lowered_kernel
+        assert "setmaxregister" in lowered_kernel.instructions, lowered_kernel
+    else:
+        assert lowered_kernel.warpgroups == 1, lowered_kernel
+    assert 0 < lowered_kernel.smem_bytes <= 232448, lowered_kernel
+
+
 @pytest.mark.parametrize("kernel", [pk.ragged_paged_attention, pk.decode_attention], ids=["ragged", "decode"])
 def test_every_selectable_kernel_config_lowers_for_cuda(kernel):
-    """Each (head_dim, page_size) the engine can select lowers to a Mosaic GPU kernel using wgmma and TMA;
-    GQA ratios 1, 3, 4, 8 and soft-cap on/off rotate through the configs (neither changes block sizes)."""
+    """Each (head_dim, page_size) the engine can select lowers to a Mosaic GPU kernel using wgmma and TMA,
+    launched as the kernel's structure says (the ragged kernel: warp-specialized, 384 threads; its old
+    single-warpgroup form launched 128 and fails here); GQA ratios 1, 3, 4, 8 and soft-cap on/off rotate
+    through the configs (neither changes block sizes)."""
     failures = []
     for i, (head_dim, page_size) in enumerate(selectable_configs()):
         group, soft_cap = GROUPS[i % len(GROUPS)], (0.0, 30.0)[i % 2]
         try:
             (lowered_kernel,) = mosaic_kernels(lower_kernel(kernel, head_dim, page_size, group, soft_cap))
             assert lowered_kernel.uses_wgmma and lowered_kernel.uses_tma, lowered_kernel
+            assert_launch_shape(lowered_kernel)
         except Exception as e:  # collect them all: one run names every failing config
             failures.append(f"{head_dim=} {page_size=} {group=} {soft_cap=}: {type(e).__name__}: {e}"[:300])
     assert not failures, "\n".join(failures)
@@ -93,6 +108,8 @@ def test_float32_does_not_lower_and_says_why(monkeypatch):
     from pallas_kernels import common
 
     monkeypatch.setattr(common, "check_supported", lambda **kw: None)
+    # tiles sized for 2-byte K/V would overflow shared memory at 4 bytes first; halve them
+    monkeypatch.setattr(common, "choose_prefill_config", lambda *a: common.KernelConfig(kv_tile=64, num_stages=2))
     pages = jax.ShapeDtypeStruct((2, 8, 16, 2, 64), jnp.float32)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     fn = functools.partial(pk.ragged_paged_attention, scale=0.125)
@@ -111,6 +128,8 @@ def _assert_all_lowered_with_kernels(results, backend="pallas", layer_kinds=1):
         expected = "paged_decode_attention" if r.kind == "decode" else "ragged_paged_attention"
         assert [k.name for k in r.kernels] == [expected] * layer_kinds, table
         assert all(k.uses_wgmma and k.uses_tma for k in r.kernels), table
+        for k in r.kernels:
+            assert_launch_shape(k)
         assert r.control_flow == {}, f"a CUDA step must not wait on the host for a branch:\n{table}"
 
 
@@ -133,10 +152,10 @@ def test_gemma3_shapes_lower_for_cuda():
 
 def test_default_model_step_functions_lower_for_cuda():
     """SmolLM2-135M's shapes (30 layers, 9 heads over 3 KV heads, head_dim 64, vocab 49152), params as
-    ShapeDtypeStructs, the default engine buckets: every prefill and decode step lowers for CUDA."""
+    ShapeDtypeStructs, a GPU's default buckets: every prefill and decode step lowers for CUDA."""
     engine = EngineConfig(dtype="bfloat16", attention_backend="pallas", num_kv_pages=256)
     results = check_lowering(SMOLLM2, engine, platform="cuda")
-    assert len(results) == 12  # prefill 16..512, decode 1..32
+    assert len(results) == 16  # prefill 16..2048, decode 1..128
     _assert_all_lowered_with_kernels(results)
 
 
