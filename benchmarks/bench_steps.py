@@ -126,7 +126,7 @@ class JaxserveBench:
         # The device's time for the last decode step alone: its executable back to back, waited for once.
         # (Its inputs' K/V rewrite freed pages: the prefix cache is dropped after, so nothing reads them.)
         kind, bucket, inputs = last["step"]
-        inputs = inputs._replace(prev_rows=np.full_like(inputs.prev_rows, -1))
+        inputs = inputs._replace(prev_rows=np.full_like(inputs.prev_rows, -1), row_updates=None)
         runner.fetch(runner.launch(kind, bucket, inputs), 1, False)
         device_start = time.perf_counter()
         for _ in range(device_repeats):
@@ -152,13 +152,16 @@ class JaxserveBench:
         for table in self.tables:  # every page the prompt and its decode steps will touch, up front
             assert self.pool.grow(table, prompt_len + self.decode_steps)
 
-        def seq(tokens: list[int], num_computed: int, table: list[int]) -> ScheduledSeq:
-            return ScheduledSeq(tokens, num_computed, table, params=greedy, seed=0)
+        def seq(tokens: list[int], num_computed: int, slot: int) -> ScheduledSeq:
+            # Row i in slot i of the device batch; its row is written by the prefill (its pages are all
+            # there from the start), as the engine writes a row only when it changes
+            return ScheduledSeq(tokens, num_computed, self.tables[slot], params=greedy, seed=0, slot=slot,
+                                write_row=num_computed == 0, write_history=num_computed == 0)
 
         def step(seqs: list[ScheduledSeq]) -> np.ndarray:  # what the engine loop does per step
             return self.runner.fetch(self.runner.execute(seqs), len(seqs), with_logprobs=False).token_ids
 
-        prefill_seqs = [seq(p.tolist(), 0, t) for p, t in zip(prompts, self.tables)]
+        prefill_seqs = [seq(p.tolist(), 0, i) for i, p in enumerate(prompts)]
 
         def prefill():
             self.first_tokens = step(prefill_seqs)
@@ -166,7 +169,7 @@ class JaxserveBench:
         def decode():  # rewrites positions P.. of the same pages on every run, as a real decode would
             last = self.first_tokens
             for i in range(self.decode_steps):
-                last = step([seq([int(tok)], prompt_len + i, t) for tok, t in zip(last, self.tables)])
+                last = step([seq([int(tok)], prompt_len + i, row) for row, tok in enumerate(last)])
 
         return {"prefill": (prefill, None), "decode": (decode, None)}
 

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
+from jaxserve.device_defaults import DeviceInfo, resolve_dtype
 from jaxserve.engine_config import EngineConfig
 from jaxserve.model_runner import ModelRunner
 from jaxserve.models.params import param_shapes as model_param_shapes
@@ -69,7 +70,8 @@ def check_lowering(model_cfg: ModelConfig, engine_cfg: EngineConfig, params=None
 
     if platform not in PLATFORMS:
         raise ValueError(f"{platform=} is not one of {sorted(PLATFORMS)}")
-    params = param_shapes(model_cfg, engine_cfg.dtype) if params is None else params
+    if params is None:
+        params = param_shapes(model_cfg, resolve_dtype(engine_cfg.dtype, DeviceInfo.target(PLATFORMS[platform])))
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     runner = ModelRunner(model_cfg, engine_cfg, params, platform=PLATFORMS[platform])
     results = []

@@ -82,18 +82,19 @@ def cmd_check_lowering(args: argparse.Namespace) -> None:
     """Lowers every bucket's step functions for --platform; exit code 1 if any failed."""
     import jax
 
-    from jaxserve.check_lowering import check_lowering, format_results
+    from jaxserve.check_lowering import PLATFORMS, check_lowering, format_results
+    from jaxserve.device_defaults import DeviceInfo, resolve_dtype
     from jaxserve.tensor_parallel import request_cpu_devices
     from jaxserve.weights import load_model
 
     engine_cfg = engine_config_from_args(args)
     request_cpu_devices(engine_cfg.tensor_parallel_size)  # the mesh's devices, before JAX starts
-    loaded = load_model(args.model, engine_cfg.dtype)  # for its config; only the params' shapes are used
+    dtype = resolve_dtype(engine_cfg.dtype, DeviceInfo.target(PLATFORMS[args.platform]))
+    loaded = load_model(args.model, dtype)  # for its config; only the params' shapes are used
     model_cfg = loaded.config
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), loaded.params)
     del loaded
-    results = check_lowering(model_cfg, engine_cfg.for_model(model_cfg.max_position_embeddings), params,
-                             platform=args.platform, dump_dir=args.dump)
+    results = check_lowering(model_cfg, engine_cfg, params, platform=args.platform, dump_dir=args.dump)
     print(format_results(results, args.platform))
     if not all(r.ok for r in results):
         sys.exit(1)

@@ -99,7 +99,8 @@ def num_pool_pages(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
     if cfg.num_kv_pages is not None:
         return cfg.num_kv_pages
     assert cfg.kv_cache_memory_bytes is not None, "the pool is sized from memory: measure first"
-    return cfg.kv_cache_memory_bytes // (kv_bytes_per_token(model_cfg, cfg.dtype) * cfg.block_size)
+    # The array's dummy page 0 comes out of the same budget
+    return cfg.kv_cache_memory_bytes // (kv_bytes_per_token(model_cfg, cfg.dtype) * cfg.block_size) - 1
 
 
 def resolve(cfg: EngineConfig, model_cfg: ModelConfig, device: DeviceInfo,
@@ -133,6 +134,12 @@ def resolve(cfg: EngineConfig, model_cfg: ModelConfig, device: DeviceInfo,
     context = model_cfg.max_position_embeddings
     pool_tokens = None if cfg.num_kv_pages is None and cfg.kv_cache_memory_bytes is None else (
         num_pool_pages(cfg, model_cfg) * cfg.block_size)
+    if cfg.num_kv_pages is None and pool_tokens is not None and pool_tokens <= 0:
+        from jaxserve.models.transformer import kv_bytes_per_token
+
+        page_bytes = kv_bytes_per_token(model_cfg, cfg.dtype) * cfg.block_size
+        raise ValueError(f"kv_cache_memory_bytes={cfg.kv_cache_memory_bytes} holds "
+                         f"{cfg.kv_cache_memory_bytes // page_bytes} pages of {page_bytes} bytes; at least 2 are needed")
     if cfg.max_model_len is not None:
         if cfg.max_model_len > context:
             raise ValueError(f"max_model_len={cfg.max_model_len} exceeds the model's max_position_embeddings={context}")

@@ -16,9 +16,11 @@ import threading
 import time
 
 from jaxserve.compilation import enable_persistent_cache, forbid_compilation, num_compilations
-from jaxserve import multihost
+from jaxserve import device_defaults, multihost
+from jaxserve.device_defaults import DeviceInfo
 from jaxserve.engine_config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.device_batch import Slots
 from jaxserve.errors import InvalidParameter
 from jaxserve.model_runner import ModelRunner
 from jaxserve.step_inputs import ScheduledSeq
@@ -51,18 +53,12 @@ class _LaunchedStep:
 
 class LLMEngine:
     def __init__(self, model: LoadedModel, cfg: EngineConfig):
-        cfg = cfg.for_model(model.config.max_position_embeddings)
-        self.cfg = cfg
         self.model_cfg = model.config
         self.tokenizer = model.tokenizer
         self.runner = ModelRunner(self.model_cfg, cfg, model.params)
+        self.cfg = cfg = self.runner.cfg  # every setting a number: those left unset chosen for the device
         self.leader: multihost.Leader | None = None  # set by from_config on a multi-host group's rank 0
         self.model = dataclasses.replace(model, params=None)  # the runner holds them, in its own layout
-        if self.runner.max_concurrent_tokens < cfg.max_model_len:
-            raise ValueError(
-                f"the KV page pool holds {self.runner.max_concurrent_tokens} tokens, fewer than "
-                f"max_model_len={cfg.max_model_len}: raise num_kv_pages or kv_cache_memory_bytes"
-            )
         self.pool = PagePool(self.runner.num_pages, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.pool, self.runner.prefill_buckets)
         self.requests: dict[str, Request] = {}
@@ -73,6 +69,9 @@ class LLMEngine:
         # Asynchronous scheduling: step N+1 is launched before step N's tokens are read (`_step`)
         self.async_scheduling = resolve_async_scheduling(cfg.async_scheduling, self.runner.platform)
         self._launched: _LaunchedStep | None = None  # launched, tokens not read yet (async scheduling)
+        # Each running request's slot in the device batch (model_runner, device_batch.py), keyed by its
+        # admission: a preempted request takes a fresh slot when it comes back
+        self.slots = Slots(self.runner.inputs.num_slots)
         self.num_steps = 0  # steps that ran the model
         self.step_seconds = 0.0  # wall time inside those steps: scheduling, the model, detokenizing
         # Of that, per phase: scheduling, building the inputs, launching the step, waiting for its tokens
@@ -90,11 +89,15 @@ class LLMEngine:
         enable_persistent_cache()
         multihost.initialize(cfg)  # before any other JAX work; nothing for one node
         request_cpu_devices(cfg.tensor_parallel_size // cfg.nnodes)
+        dtype = device_defaults.resolve_dtype(cfg.dtype, DeviceInfo.local())  # "auto": the device's
         if cfg.node_rank > 0:  # a follower serves the leader's steps until the leader stops, then exits
-            multihost.run_follower(model, cfg, show_progress)
+            multihost.run_follower(model, dataclasses.replace(cfg, dtype=dtype), show_progress)
             raise SystemExit(0)
-        engine = cls(load_model(model, cfg.dtype, lazy=cfg.tensor_parallel_size > 1), cfg)
+        engine = cls(load_model(model, dtype, lazy=cfg.tensor_parallel_size > 1), cfg)
         runner = engine.runner
+        if runner.defaults:
+            print(f"jaxserve: defaults for {runner.device.kind} ({device_defaults.kind_defaults(runner.device).why}): "
+                  f"{', '.join(runner.defaults)}", file=sys.stderr)
         print(f"jaxserve: {engine.model_cfg.architecture} from {engine.model.source}; KV cache {runner.num_pages - 1} "
               f"pages x {engine.cfg.block_size} tokens = {runner.max_concurrent_tokens} max concurrent tokens "
               f"({runner.kv_cache_bytes / 2**20:.0f} MiB)", file=sys.stderr)
@@ -203,10 +206,11 @@ class LLMEngine:
         for request, message in failed.items():  # their rows ran inert; the pages were written as scheduled
             self.scheduler.fail(request, message)
             self.requests.pop(request.request_id, None)
+        launched_now = launched
         if self.async_scheduling:
             launched, self._launched = self._launched, launched
         updated = [] if launched is None else self._read(launched)
-        if launched is not None or failed:
+        if launched is not None or launched_now is not None or failed:
             self.step_seconds += time.perf_counter() - start
         return updated + list(failed)
 
@@ -269,6 +273,11 @@ class LLMEngine:
         assert num_pending <= 1 and (num_pending <= 0 or request.num_pending_tokens == 1), request.request_id
         tokens = tokens + [_PLACEHOLDER] * num_pending
         try:
+            suppress_ids = request.suppressed_token_ids
+            slot, write_row, write_history = self.slots.place(
+                (request, request.num_admissions), (len(request.block_table), suppress_ids), self._holds_slot)
+            # A request takes its slot when admitted, before any token of it is pending: its history is whole
+            assert not (write_history and request.num_pending_tokens), request.request_id
             return ScheduledSeq(
                 token_ids=tokens[start:start + num_new],
                 num_computed_tokens=start,
@@ -276,14 +285,25 @@ class LLMEngine:
                 params=params,
                 seed=request.seed,
                 prompt_len=len(request.prompt_token_ids),
-                history=tokens[:start + num_new] if params.uses_penalties else None,
-                suppress_ids=request.suppressed_token_ids,
+                history=tokens if params.uses_penalties and write_history else None,
+                suppress_ids=suppress_ids,
                 prev_row=request.pending_row if num_pending > 0 else None,
+                samples=start + num_new == request.num_tokens,
+                slot=slot,
+                write_row=write_row,
+                write_history=write_history,
             )
         except Exception:  # noqa: BLE001 - one request's failure must not end the others' step
             logger.exception("request %s: preparing its step failed", request.request_id)
             failed.setdefault(request, "preparing its step failed")
-            return ScheduledSeq(tokens[start:start + num_new], start, request.block_table, _INERT_PARAMS, seed=0)
+            return ScheduledSeq(tokens[start:start + num_new], start, request.block_table, _INERT_PARAMS, seed=0,
+                                slot=self.slots.padding_slot, write_row=False, write_history=False)
+
+    @staticmethod
+    def _holds_slot(key: tuple[Request, int]) -> bool:
+        """Whether the device batch's slot of (request, admission) is still its: running since then."""
+        request, admission = key
+        return request.status is RequestStatus.RUNNING and request.num_admissions == admission
 
     def _detokenize(self, request: Request) -> None:
         """Decodes the request's newest token; a stop string finishes the request, a failure fails it."""

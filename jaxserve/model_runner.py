@@ -25,13 +25,15 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxserve import compilation
+from jaxserve import compilation, device_batch, device_defaults
 from jaxserve.attention_backends import resolve_attention_backend, resolve_matmul_backend
 from jaxserve.config import ModelConfig
+from jaxserve.device_defaults import DeviceInfo, MemoryUse
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.transformer import (forward, init_kv_cache, kv_bytes_per_token, rope_position_tables,
                                          serving_params)
 from jaxserve.sampling import SamplerOutput, sample
+from jaxserve.device_batch import BatchState
 from jaxserve.step_inputs import ScheduledSeq, StepInputBuilder, StepInputs
 from jaxserve.tensor_parallel import TensorParallel
 from jaxserve.weights import lazy
@@ -79,42 +81,45 @@ def _step(params, kv_cache, inputs: StepInputs, *, cfg: ModelConfig, q_tile: int
     return sample(logits, inputs.sampling, sampler_branches), kv_cache
 
 
-def _fed_step(params, kv_cache, last_tokens, inputs: StepInputs, *, step: Callable):
-    """`step` with the tokens the host has not read yet taken on the device (asynchronous scheduling):
-    a token whose `prev_rows` entry is r >= 0 is the one row r of the previous step sampled, kept in
-    `last_tokens` [max_num_seqs]; a penalty row's history gets it too (it is always the row's last input
-    token, at position kv_len - 1). Returns (sampler output, kv_cache, this step's tokens in last_tokens)."""
-    token_ids = jnp.where(inputs.prev_rows >= 0, last_tokens[jnp.maximum(inputs.prev_rows, 0)], inputs.token_ids)
-    history, rows = inputs.sampling.history, jnp.arange(inputs.logits_indices.shape[0])
-    cols = jnp.maximum(inputs.md.kv_lens - 1, 0)
-    fed = (inputs.prev_rows[inputs.logits_indices] >= 0) & (history[:, 0] >= 0)  # [S]: penalty rows fed here
-    history = history.at[rows, cols].set(jnp.where(fed, token_ids[inputs.logits_indices], history[rows, cols]))
-    inputs = inputs._replace(token_ids=token_ids, sampling=inputs.sampling._replace(history=history))
-    sampled, kv_cache = step(params, kv_cache, inputs)
-    return sampled, kv_cache, jax.lax.dynamic_update_slice(last_tokens, sampled.token_ids, (0,))
+def _batch_step(params, kv_cache, state: BatchState, inputs: StepInputs, *, step: Callable):
+    """`step` over the persistent device batch (`device_batch.py`): each row's block table and sampling
+    settings come from its slot, a token whose `prev_rows` entry is r >= 0 is the one row r of the
+    previous step sampled (asynchronous scheduling: the host has not read it), and the sampled tokens
+    go back into the state. Returns (sampler output, kv_cache, state)."""
+    token_ids = jnp.where(inputs.prev_rows >= 0, state.last_tokens[jnp.maximum(inputs.prev_rows, 0)],
+                          inputs.token_ids)
+    block_tables, rows = device_batch.gather(state, inputs.row_slots, inputs.md.kv_lens)
+    sampled, kv_cache = step(params, kv_cache, inputs._replace(
+        token_ids=token_ids, md=inputs.md._replace(block_tables=block_tables), sampling=rows))
+    state = device_batch.append_tokens(state, inputs.row_slots, inputs.md.kv_lens, inputs.samples,
+                                       sampled.token_ids, rows)
+    return sampled, kv_cache, state
 
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, params, platform: str | None = None):
-        """platform: resolve the attention backend for "gpu"/"cpu" instead of this machine (check-lowering)."""
-        engine_cfg = engine_cfg.for_model(model_cfg.max_position_embeddings)
-        self.model_cfg, self.cfg = model_cfg, engine_cfg
+        """platform: resolve the attention backend and the unset settings for "gpu"/"cpu" instead of this
+        machine (check-lowering)."""
+        requested = engine_cfg
+        self.model_cfg = model_cfg
         tp = engine_cfg.tensor_parallel_size
         # Under tensor parallelism each device runs device_cfg's share of the model (tensor_parallel.py).
         self.parallel = TensorParallel(model_cfg, tp) if tp > 1 else None
         self.mesh = self.parallel.mesh if self.parallel else None
         self.device_cfg = self.parallel.device_cfg if self.parallel else model_cfg
+        # The settings left unset, chosen for the device (`defaults` says what and why); a pool sized from
+        # the device's memory waits for the weights and the step's measure, below.
+        self.device = DeviceInfo.target(platform) if platform else DeviceInfo.local()
+        engine_cfg, self.defaults = device_defaults.resolve(requested, self.device_cfg, self.device)
+        self.cfg = engine_cfg
         self.attention_backend = resolve_attention_backend(engine_cfg.attention_backend, self.device_cfg, engine_cfg,
                                                            platform)
         self.matmul_backend = resolve_matmul_backend(engine_cfg.matmul_backend, engine_cfg, platform)
         self.params = self._serving_params(params)
         # What this process read of LazyTensor params (its devices' slices) out of the whole model's bytes
         self.weight_bytes_read, self.weight_bytes_total = lazy.bytes_read(params), lazy.total_bytes(params)
-        self.num_pages = self._num_pages()
-        self.kv_cache = self._init_kv_cache()
         # What each device holds (all of it on one device): weights with rope tables and replicated norms
         self.device_weight_bytes = _bytes_on_first_device(self.params)
-        self.device_kv_cache_bytes = _bytes_on_first_device(self.kv_cache)
         self.prefill_buckets = prefill_buckets(engine_cfg)
         self.decode_buckets = decode_buckets(engine_cfg)
         step = functools.partial(_step, cfg=model_cfg)
@@ -126,14 +131,28 @@ class ModelRunner:
         self.sampler_branches = self.platform != "gpu"
         step = functools.partial(step, kv_tile=min(engine_cfg.kv_tile, engine_cfg.max_model_len),
                                  attention_backend=self.attention_backend, sampler_branches=self.sampler_branches)
-        fed = lambda **kwargs: functools.partial(_fed_step, step=functools.partial(step, **kwargs))  # noqa: E731
-        self._prefill = jit(fed(q_tile=engine_cfg.prefill_query_tile))
-        self._decode = jit(fed(q_tile=1, decode_only=True))
-        # The previous step's sampled tokens, on the device, for the next step's inputs (`_fed_step`)
-        self.last_tokens = self._replicated(np.zeros(engine_cfg.max_num_seqs, np.int32))
+        batched = lambda **kwargs: functools.partial(_batch_step, step=functools.partial(step, **kwargs))  # noqa: E731
+        self._prefill = jit(batched(q_tile=engine_cfg.prefill_query_tile))
+        self._decode = jit(batched(q_tile=1, decode_only=True))
+        self._write_rows = jax.jit(device_batch.write_rows, donate_argnums=0)
+        if self.parallel:
+            self._write_rows = self.parallel.jit_replicated(device_batch.write_rows)
+        self._row_writers: dict[int, object] = {}  # per update bucket
         self._executables: dict[tuple[str, int], object] = {}
         self.on_launch: Callable[[str, int, StepInputs], None] | None = None  # multihost.Leader.send_step
         self.inputs = StepInputBuilder(model_cfg, engine_cfg)
+        if engine_cfg.kv_cache_memory_bytes is None and engine_cfg.num_kv_pages is None:
+            # The loader's copy of the weights is alive while the pool is allocated (its owner drops it later).
+            loader_bytes = sum(x.nbytes for x in jax.tree.leaves(params)
+                               if isinstance(x, jax.Array) and any(d.platform != "cpu" for d in x.devices()))
+            memory = MemoryUse(self.device_weight_bytes + loader_bytes, self._step_bytes())
+            engine_cfg, self.defaults = device_defaults.resolve(requested, self.device_cfg, self.device, memory)
+            self.cfg = engine_cfg
+            self.inputs = StepInputBuilder(model_cfg, engine_cfg)  # max_model_len may be the pool's now
+        self.num_pages = self._num_pages()
+        self.kv_cache = self._init_kv_cache(self.num_pages)
+        self.device_kv_cache_bytes = _bytes_on_first_device(self.kv_cache)
+        self.batch_state = BatchState(*jax.tree.map(self._replicated, self.inputs.initial_state()))
         logger.info(
             "KV cache: %d pages of %d tokens (%d max concurrent tokens), %.1f MiB; %s attention, %s matmuls",
             self.num_pages - 1, engine_cfg.block_size, self.max_concurrent_tokens,
@@ -169,22 +188,39 @@ class ModelRunner:
             return jnp.asarray(x)
         return self.parallel.replicated(x)
 
-    def _init_kv_cache(self):
+    def _init_kv_cache(self, num_pages: int):
         make = init_kv_cache if self.parallel is None else self.parallel.init_kv_cache
-        return make(self.model_cfg, self.num_pages, self.cfg.block_size, self.cfg.dtype)
+        return make(self.model_cfg, num_pages, self.cfg.block_size, self.cfg.dtype)
 
     def _num_pages(self) -> int:
         """Pages in the array: the pool's pages plus the dummy page 0. kv_cache_memory_bytes is per device."""
-        if self.cfg.num_kv_pages is not None:
-            return self.cfg.num_kv_pages + 1
-        per_page = kv_bytes_per_token(self.device_cfg, self.cfg.dtype) * self.cfg.block_size
-        num_pages = self.cfg.kv_cache_memory_bytes // per_page
-        if num_pages < 2:
+        num_pages = device_defaults.num_pool_pages(self.cfg, self.device_cfg)
+        if self.cfg.num_kv_pages is None and num_pages < 1:
+            per_page = kv_bytes_per_token(self.device_cfg, self.cfg.dtype) * self.cfg.block_size
             raise ValueError(
-                f"kv_cache_memory_bytes={self.cfg.kv_cache_memory_bytes} holds {num_pages} pages of "
+                f"kv_cache_memory_bytes={self.cfg.kv_cache_memory_bytes} holds {num_pages + 1} pages of "
                 f"{per_page} bytes; at least 2 are needed"
             )
-        return int(num_pages)
+        return int(num_pages) + 1
+
+    def _step_bytes(self) -> int:
+        """The most memory one step needs besides the weights and the KV pages: XLA's memory analysis of
+        the largest prefill and decode buckets (temporaries, and outputs other than the pages updated in
+        place) plus their inputs. Lowered over a pool of one sequence's pages: the pool is an argument
+        updated in place, so its size does not change the rest. Warm-up compiles these two again for the
+        real pool (the persistent cache keeps both for the next start)."""
+        self.kv_cache = jax.eval_shape(functools.partial(self._init_kv_cache, self.cfg.pages_per_seq + 1))
+        most = 0
+        for kind, bucket in (("prefill", self.prefill_buckets[-1]), ("decode", self.decode_buckets[-1])):
+            stats = self.lower(kind, bucket).compile().memory_analysis()
+            if stats is None:  # the platform does not say; the headroom gpu_memory_utilization leaves must do
+                logger.warning("XLA gives no memory analysis here: the KV cache leaves no room for a step")
+                continue
+            inputs = jax.tree.leaves(self._input_shapes(kind, bucket))
+            most = max(most, stats.temp_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+                       + sum(x.size * jnp.dtype(x.dtype).itemsize for x in inputs))
+        del self.kv_cache
+        return most
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -206,8 +242,13 @@ class ModelRunner:
         todo = [key for key in todo if key not in self._executables]
         for kind, bucket in tqdm(todo, desc="compiling buckets", unit="exe", disable=not show_progress):
             self._executables[kind, bucket] = self.lower(kind, bucket).compile()
+        for num_rows in self.inputs.update_buckets:  # the device batch's row writers: small, quick to compile
+            if num_rows not in self._row_writers:
+                self._row_writers[num_rows] = self._write_rows.trace(
+                    self._state_shapes(), self.inputs.update_shapes(num_rows)).lower().compile()
         summary = {
             "num_executables": len(self._executables),
+            "num_row_writers": len(self._row_writers),
             "prefill_buckets": self.prefill_buckets,
             "decode_buckets": self.decode_buckets,
             "seconds": time.perf_counter() - start,
@@ -219,10 +260,12 @@ class ModelRunner:
     def lower(self, kind: str, bucket: int, platforms: tuple[str, ...] | None = None):
         """Lowers one bucket's step function ("prefill" or "decode") for this machine or `platforms`."""
         fn = self._decode if kind == "decode" else self._prefill
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                              (self.params, self.kv_cache, self.last_tokens))
-        traced = fn.trace(*shapes, self._input_shapes(kind, bucket))
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (self.params, self.kv_cache))
+        traced = fn.trace(*shapes, self._state_shapes(), self._input_shapes(kind, bucket))
         return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
+
+    def _state_shapes(self) -> BatchState:
+        return BatchState(*jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.inputs.initial_state()))
 
     @property
     def compiled_shapes(self) -> list[tuple[str, int]]:
@@ -260,8 +303,11 @@ class ModelRunner:
             self.on_launch(kind, bucket, inputs)
         if (kind, bucket) not in self._executables:
             self.warmup(show_progress=False)  # only before warm-up ran; afterwards every key exists
-        output, self.kv_cache, self.last_tokens = self._executables[kind, bucket](
-            self.params, self.kv_cache, self.last_tokens, inputs)
+        if inputs.row_updates is not None:
+            writer = self._row_writers[len(inputs.row_updates.slots)]
+            self.batch_state = writer(self.batch_state, inputs.row_updates)
+        output, self.kv_cache, self.batch_state = self._executables[kind, bucket](
+            self.params, self.kv_cache, self.batch_state, inputs._replace(row_updates=None))
         return output
 
     @staticmethod

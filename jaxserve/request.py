@@ -46,6 +46,7 @@ class Request:
     block_table: list[int] = dataclasses.field(default_factory=list)
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of the full pages so far
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at (last) admission
+    num_admissions: int = 0  # times the scheduler admitted it (more than once after preemptions)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None  # why it failed, with status FINISHED_ERROR

@@ -172,6 +172,7 @@ class Scheduler:
             self.num_cached_prompt_tokens += request.num_cached_tokens
             self.num_computed_prompt_tokens += num_prompt - request.num_cached_tokens
         request.status = RequestStatus.RUNNING
+        request.num_admissions += 1
         self.running.append(request)
         self._cache_pages(request, request.num_computed_tokens + num_new)
         return True

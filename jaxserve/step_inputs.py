@@ -2,11 +2,12 @@
 
 The scheduler hands over one `ScheduledSeq` per sequence; `StepInputBuilder.build` lays them out
 the way the compiled step reads them (the ragged attention contract of `attention.py`: new tokens
-flattened on one token axis, `cu_q_lens`, `kv_lens`, block tables, the slot of each token) and adds
-one sampling row per sequence (`SamplingTensors`), everything padded to the bucket: padding tokens
-write into the dummy page 0, padding sequences have no tokens, padding sampling rows are inert
-(greedy, nothing on). `model_runner.py` then hands the arrays to the executable; nothing here touches
-a device.
+flattened on one token axis, `cu_q_lens`, `kv_lens`, the slot of each token), everything padded to
+the bucket: padding tokens write into the dummy page 0, padding sequences have no tokens. Each row's
+block table and sampling settings live on the device in the row's slot of the persistent batch
+(`device_batch.py`): the step names each row's slot, and carries `RowUpdates` only for the rows whose
+state changed (`ScheduledSeq.write_row`). `model_runner.py` then hands the arrays to the executable;
+nothing here touches a device.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 
 from jaxserve.attention import AttentionMetadata
 from jaxserve.config import ModelConfig
+from jaxserve.device_batch import RowUpdates
 from jaxserve.engine_config import EngineConfig
 from jaxserve.sampling import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams, SamplingTensors
 
@@ -41,15 +43,27 @@ class ScheduledSeq:
     # Asynchronous scheduling: the last of token_ids is a placeholder for the token row prev_row of the
     # previous step sampled, which the host has not read yet (the step takes it on the device)
     prev_row: int | None = None
+    samples: bool = True  # its sampled token is real (not a prompt chunk short of the prompt's end)
+    # Its slot in the device batch, and what of its row to write there first (its settings and block
+    # table; its history too, when it takes the slot: `history`, if penalties are on, or nothing).
+    # slot None: the row's index, everything written.
+    slot: int | None = None
+    write_row: bool = True
+    write_history: bool = True
 
 
 class StepInputs(NamedTuple):
     token_ids: np.ndarray  # [T] int32
     positions: np.ndarray  # [T] int32
-    md: AttentionMetadata  # slot_mapping [T], cu_q_lens [S+1], kv_lens [S], block_tables [S, P]
+    # slot_mapping [T], cu_q_lens [S+1], kv_lens [S]; block_tables [S, P] None on the host: the step
+    # gathers them from the device batch
+    md: AttentionMetadata
     logits_indices: np.ndarray  # [S] int32, each sequence's last row
-    sampling: SamplingTensors  # [S] rows
+    sampling: SamplingTensors | None  # [S] rows: None on the host, gathered on the device likewise
     prev_rows: np.ndarray  # [T] int32: r >= 0 = this token is the one row r of the previous step sampled
+    row_slots: np.ndarray | None = None  # [S] int32: each row's slot in the device batch
+    samples: np.ndarray | None = None  # [S] bool: the row's sampled token is real
+    row_updates: RowUpdates | None = None  # written before the step (not an input of its executable)
 
 
 class StepInputBuilder:
@@ -58,18 +72,43 @@ class StepInputBuilder:
         # logit_bias entries, plus EOS and stop ids suppressed before min_tokens
         self.bias_width = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + len(model_cfg.eos_token_ids)
 
+    @property
+    def num_slots(self) -> int:
+        """Slots of the device batch: one per sequence a step can hold, and the padding rows' last."""
+        return self.cfg.max_num_seqs + 1
+
+    @property
+    def update_buckets(self) -> list[int]:
+        """Row updates are padded to a power of two (one small executable each, compiled at warm-up)."""
+        return [1 << i for i in range((self.cfg.max_num_seqs - 1).bit_length() + 1)]
+
+    def initial_state(self) -> tuple[np.ndarray, SamplingTensors, np.ndarray]:
+        """The device batch's host arrays (`device_batch.BatchState`): every slot inert."""
+        return (np.full((self.num_slots, self.cfg.pages_per_seq), DUMMY_PAGE, np.int32),
+                self.empty_sampling(self.num_slots), np.zeros(self.cfg.max_num_seqs, np.int32))
+
     def shapes(self, num_tokens: int, num_seqs: int) -> StepInputs:
         """ShapeDtypeStructs of a bucket's inputs, for compiling it."""
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         return StepInputs(
             token_ids=i32(num_tokens),
             positions=i32(num_tokens),
-            md=AttentionMetadata(i32(num_tokens), i32(num_seqs + 1), i32(num_seqs),
-                                 i32(num_seqs, self.cfg.pages_per_seq)),
+            md=AttentionMetadata(i32(num_tokens), i32(num_seqs + 1), i32(num_seqs), None),
             logits_indices=i32(num_seqs),
-            sampling=jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.empty_sampling(num_seqs)),
+            sampling=None,
             prev_rows=i32(num_tokens),
+            row_slots=i32(num_seqs),
+            samples=jax.ShapeDtypeStruct((num_seqs,), jnp.bool_),
         )
+
+    def update_shapes(self, num_rows: int) -> RowUpdates:
+        """ShapeDtypeStructs of `num_rows` row updates, for compiling their writer."""
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self._empty_updates(num_rows))
+
+    def _empty_updates(self, num_rows: int) -> RowUpdates:
+        return RowUpdates(np.full(num_rows, self.num_slots, np.int32),  # out of range: dropped
+                          np.full((num_rows, self.cfg.pages_per_seq), DUMMY_PAGE, np.int32),
+                          self.empty_sampling(num_rows), np.full(num_rows, -1, np.int32))
 
     def empty_sampling(self, num_seqs: int) -> SamplingTensors:
         """Host arrays for `num_seqs` inert rows (greedy, everything off)."""
@@ -86,44 +125,56 @@ class StepInputBuilder:
 
     def build(self, seqs: list[ScheduledSeq], num_tokens: int, num_seqs: int,
               on_row_error: Callable[[int, Exception], None] | None = None) -> StepInputs:
-        """The inputs of `seqs`, padded to num_tokens tokens and num_seqs sequences. on_row_error: a
-        sequence whose sampling row cannot be built gets an inert row and is reported, instead of raising."""
+        """The inputs of `seqs`, padded to num_tokens tokens and num_seqs sequences, with the updates of
+        the rows that changed. on_row_error: a sequence whose row cannot be built runs in the inert
+        padding slot and is reported, instead of raising."""
         page_size = self.cfg.block_size
         token_ids = np.zeros(num_tokens, np.int32)
         positions = np.zeros(num_tokens, np.int32)
         slot_mapping = np.arange(num_tokens, dtype=np.int32) % page_size + DUMMY_PAGE * page_size
         cu_q_lens = np.zeros(num_seqs + 1, np.int32)
         kv_lens = np.zeros(num_seqs, np.int32)
-        block_tables = np.full((num_seqs, self.cfg.pages_per_seq), DUMMY_PAGE, np.int32)
-        sampling = self.empty_sampling(num_seqs)
         prev_rows = np.full(num_tokens, -1, np.int32)
+        row_slots = np.full(num_seqs, self.num_slots - 1, np.int32)
+        samples = np.zeros(num_seqs, np.bool_)
+        writes = [i for i, s in enumerate(seqs) if s.write_row or s.slot is None]
+        updates = self._empty_updates(next(b for b in self.update_buckets if b >= len(writes))) if writes else None
         row = 0
         for i, s in enumerate(seqs):
             n = len(s.token_ids)
             pos = np.arange(s.num_computed_tokens, s.num_computed_tokens + n, dtype=np.int32)
-            table = np.asarray(s.block_table, np.int32)
             token_ids[row:row + n] = s.token_ids
             positions[row:row + n] = pos
-            slot_mapping[row:row + n] = table[pos // page_size] * page_size + pos % page_size
-            block_tables[i, : len(table)] = table
+            slot_mapping[row:row + n] = np.asarray(s.block_table, np.int32)[pos // page_size] * page_size + pos % page_size
             kv_lens[i] = s.num_computed_tokens + n
+            samples[i] = s.samples
             if s.prev_row is not None:
                 prev_rows[row + n - 1] = s.prev_row
+            row_slots[i] = i if s.slot is None else s.slot
+            row += n
+            cu_q_lens[i + 1] = row
+        for u, i in enumerate(writes):
             try:
-                self.fill_sampling_row(sampling, i, s)
+                self.fill_update(updates, u, seqs[i], int(row_slots[i]))
             except Exception as e:  # noqa: BLE001 - handed to the caller, or re-raised
                 if on_row_error is None:
                     raise
-                for field, inert in zip(sampling, self.empty_sampling(1)):
-                    field[i] = inert[0]
+                for field, inert in zip(jax.tree.leaves(updates), jax.tree.leaves(self._empty_updates(1))):
+                    field[u] = inert[0]
+                row_slots[i] = self.num_slots - 1
                 on_row_error(i, e)
-            row += n
-            cu_q_lens[i + 1] = row
         cu_q_lens[len(seqs) + 1:] = row
         logits_indices = np.maximum(cu_q_lens[1:] - 1, 0)
-        sampling.positions[:] = kv_lens
-        md = AttentionMetadata(slot_mapping, cu_q_lens, kv_lens, block_tables)
-        return StepInputs(token_ids, positions, md, logits_indices, sampling, prev_rows)
+        md = AttentionMetadata(slot_mapping, cu_q_lens, kv_lens, None)
+        return StepInputs(token_ids, positions, md, logits_indices, None, prev_rows, row_slots, samples, updates)
+
+    def fill_update(self, updates: RowUpdates, u: int, s: ScheduledSeq, slot: int) -> None:
+        """Update row u: sequence s's settings and block table, for `slot` (its history if it takes the slot)."""
+        updates.slots[u] = slot
+        updates.block_tables[u, :len(s.block_table)] = s.block_table
+        self.fill_sampling_row(updates.sampling, u, s)
+        if s.write_history or s.slot is None:
+            updates.history_lens[u] = 0 if s.history is None else len(s.history)
 
     def fill_sampling_row(self, t: SamplingTensors, i: int, s: ScheduledSeq) -> None:
         """Row i of the sampling arrays from sequence s's parameters."""
@@ -139,6 +190,6 @@ class StepInputBuilder:
         if bias:
             t.bias_ids[i, : len(bias)] = list(bias)
             t.bias_values[i, : len(bias)] = list(bias.values())
+        t.prompt_lens[i] = s.prompt_len
         if s.history is not None:
             t.history[i, : len(s.history)] = s.history
-            t.prompt_lens[i] = s.prompt_len

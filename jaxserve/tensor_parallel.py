@@ -143,6 +143,12 @@ class TensorParallel:
         return jax.jit(step, donate_argnums=(1, 2), out_shardings=(replicated, kv, replicated),
                        in_shardings=(shardings(self.mesh, self.param_specs), kv, replicated, replicated))
 
+    def jit_replicated(self, fn):
+        """jax.jit for a function of replicated arrays (the device batch's row writer), its first argument
+        donated."""
+        replicated = NamedSharding(self.mesh, P())
+        return jax.jit(fn, donate_argnums=0, in_shardings=replicated, out_shardings=replicated)
+
     def replicated(self, x: np.ndarray) -> jax.Array:
         """A host array copied to every device of the mesh (each process gives its own devices' copies)."""
         return jax.make_array_from_callback(x.shape, NamedSharding(self.mesh, P()), lambda index: x[index])

@@ -28,8 +28,9 @@ MEASURED = MemoryUse(weight_bytes=15 * GiB, step_bytes=2 * GiB)
 
 def test_a_cpu_gets_exactly_the_defaults_of_before():
     """The CPU numbers must not move: float32, 512 MiB of KV pages, 32 sequences, 512-token steps,
-    max_model_len the model's context up to 2048, and the bucket ladders those give."""
-    for context, max_model_len in ((8192, 2048), (128, 128)):
+    max_model_len the model's context up to 2048, and the bucket ladders those give. (512 MiB of an 8B
+    model's float32 K/V is 128 pages of 16 tokens, the dummy page 0 among them: 2032 tokens.)"""
+    for context, max_model_len in ((8192, 2032), (128, 128)):
         model_cfg = dataclasses.replace(LLAMA3_8B, max_position_embeddings=context)
         cfg, chosen = resolve(EngineConfig(), model_cfg, CPU)
         assert (cfg.dtype, cfg.max_num_seqs, cfg.max_num_batched_tokens) == ("float32", 32, 512)
@@ -66,7 +67,7 @@ def test_a_long_context_is_capped_by_what_the_pool_holds():
     small_gpu = DeviceInfo("gpu", "NVIDIA L4", 24 * GiB)
     cfg, chosen = resolve(EngineConfig(), long_context, small_gpu, MEASURED)
     pool_tokens = num_pool_pages(cfg, long_context) * cfg.block_size
-    assert pool_tokens == (int(0.9 * 24 * GiB) - 17 * GiB) // (128 * 1024 * 16) * 16
+    assert pool_tokens == ((int(0.9 * 24 * GiB) - 17 * GiB) // (128 * 1024 * 16) - 1) * 16  # less the dummy page
     assert cfg.max_model_len == pool_tokens < 131072
     assert chosen[-1] == f"max_model_len {pool_tokens} (what the KV pool holds)"
 
@@ -145,10 +146,11 @@ def test_no_flags_on_a_described_gpu_size_the_pool_from_its_memory(tiny_model_di
     assert cfg.max_model_len == roomy.model_cfg.max_position_embeddings
     assert "jaxserve: defaults for a GPU (the engine measured on an H100): dtype bfloat16" in capsys.readouterr().err
 
-    # Room for 40 pages of K/V after the same weights and step: max_model_len is what they hold
+    # Room for 40 pages of K/V after the same weights and step, the dummy page 0 among them:
+    # max_model_len is what the other 39 hold
     per_page = runner.device_kv_cache_bytes // runner.num_pages
     tight = start(int((runner.device_weight_bytes + step_bytes + 40 * per_page) / 0.9) + 10, warmup=True)
-    assert tight.runner.num_pages - 1 == 40 and tight.cfg.max_model_len == 40 * 8
+    assert tight.runner.num_pages == 40 and tight.cfg.max_model_len == 39 * 8
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for prompt in ([1, 2, 3], list(range(40))):
         tight.add_request(prompt, params)

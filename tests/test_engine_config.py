@@ -42,8 +42,8 @@ def test_the_flags_in_use_keep_their_names_and_meaning(command):
         dtype="bfloat16", enable_prefix_caching=False)
 
 
-SPECIAL_VALUES = {"kv_cache_memory_bytes": "1GiB", "tensor_parallel_size": "2", "nnodes": "2", "node_rank": "1",
-                  "dist_init_addr": "leader:1234"}
+SPECIAL_VALUES = {"kv_cache_memory_bytes": "1GiB", "gpu_memory_utilization": "0.5", "tensor_parallel_size": "2",
+                  "nnodes": "2", "node_rank": "1", "dist_init_addr": "leader:1234"}
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
@@ -51,7 +51,7 @@ SPECIAL_VALUES = {"kv_cache_memory_bytes": "1GiB", "tensor_parallel_size": "2", 
 def test_every_command_line_setting_is_a_flag_of_every_command(command, field):
     """A setting declared with flag=True reaches EngineConfig through `--its-name` in every command."""
     flag = "--" + field.name.replace("_", "-")
-    if field.type == "bool":
+    if field.type in ("bool", "bool | None"):
         assert getattr(_config(*command, f"--no-{flag[2:]}"), field.name) is False
         assert getattr(_config(*command, flag), field.name) is True
         return
@@ -92,14 +92,6 @@ def test_choices_are_checked_by_the_config_too():
         EngineConfig(dtype="float16")
     with pytest.raises(ValueError, match="attention_backend='triton'"):
         EngineConfig(attention_backend="triton")
-
-
-def test_max_model_len_defaults_to_the_models_capped_at_2048():
-    assert EngineConfig().for_model(128).max_model_len == 128
-    assert EngineConfig().for_model(32768).max_model_len == 2048
-    assert EngineConfig(max_model_len=4096).for_model(8192).max_model_len == 4096
-    with pytest.raises(ValueError, match="max_model_len=4096 exceeds the model's max_position_embeddings=2048"):
-        EngineConfig(max_model_len=4096).for_model(2048)
 
 
 def test_unknown_keyword_settings_are_named_before_any_loading():

@@ -165,7 +165,7 @@ def test_the_loop_delivers_the_error_to_that_stream_only_and_stays_alive(llm, al
 def test_a_failure_of_the_step_itself_still_ends_the_loop(llm, monkeypatch):
     engine_loop = EngineLoop(llm.engine).start()
     try:
-        monkeypatch.setattr(llm.engine.runner, "execute", lambda *a, **k: (_ for _ in ()).throw(
+        monkeypatch.setattr(llm.engine.runner, "launch", lambda *a, **k: (_ for _ in ()).throw(
             RuntimeError("the device is gone")))
         stream = engine_loop.submit(_prompt(0), GREEDY)
         last = list(stream)[-1]

@@ -27,8 +27,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.hf_baseline and not args.ignore_eos:
         # HF's static batches generate every request's full length: jaxserve must too, or the ratio lies.
         raise ValueError("--hf-baseline needs --ignore-eos, so both engines generate the same number of tokens")
-    engine_cfg = engine_config_from_args(args)
-    llm = LLM(args.model, **dataclasses.asdict(engine_cfg))
+    llm = LLM(args.model, **dataclasses.asdict(engine_config_from_args(args)))
+    engine_cfg = llm.engine.cfg  # with the settings left unset chosen for the device
     if args.dataset_path:
         requests = jsonl_requests(args.dataset_path, llm.tokenizer, args.num_prompts, args.output_len)
     else:

@@ -1,0 +1,148 @@
+"""The persistent device batch (`jaxserve/device_batch.py`): each running sequence's sampling settings,
+block table and penalty history live on the device in a slot, and a step carries only the rows that
+changed. Guards: what a step sends is small and counts only changed rows; slots are taken back and
+reused; a preempted request's history is rewritten when it comes back (penalties see the same tokens);
+a failing row runs in the inert slot without touching another request's row.
+"""
+
+from __future__ import annotations
+
+import random
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.device_batch import Slots
+from tiny_models import make_tiny_model
+
+MAX_MODEL_LEN, PAGE_SIZE = 256, 8
+BASE = dict(max_model_len=MAX_MODEL_LEN, block_size=PAGE_SIZE, forbid_compilation_after_warmup=True,
+            max_num_seqs=8, max_num_batched_tokens=64, min_decode_bucket=8)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny_llama_device_batch")
+    make_tiny_model("llama", directory, attention_std=0.3, embedding_std=1.0)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def ample(model_dir):
+    return LLM(model_dir, **BASE, num_kv_pages=260)
+
+
+@pytest.fixture(scope="module")
+def small(model_dir):
+    return LLM(model_dir, **BASE, num_kv_pages=MAX_MODEL_LEN // PAGE_SIZE + 1)
+
+
+def _prompts(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(256) for _ in range(rng.randint(3, 40))]} for _ in range(n)]
+
+
+def _record_steps(llm: LLM):
+    """Wraps the runner's launch: returns the list that collects each step's (scheduled requests with
+    their block table lengths and banned ids, inputs)."""
+    engine, steps = llm.engine, []
+    launch = engine.runner.launch
+
+    def recording(kind, bucket, inputs):
+        rows = [(r, r.num_admissions, len(r.block_table), r.suppressed_token_ids)
+                for r, _ in engine.last_schedule.scheduled]
+        steps.append((rows, inputs))
+        return launch(kind, bucket, inputs)
+
+    engine.runner.launch = recording
+    return steps
+
+
+def test_a_step_writes_only_the_rows_that_changed(ample):
+    """12 requests (8 slots) decoding 40 tokens: a row is written when its request takes a slot, when its
+    block table gains a page, and when min_tokens unbans EOS; otherwise a step carries no row at all,
+    and never a block table or sampling row of its own."""
+    steps = _record_steps(ample)
+    try:
+        params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, min_tokens=10 * (i % 2),
+                                 presence_penalty=0.5 * (i % 3 == 0)) for i in range(12)]
+        ample.generate(_prompts(12, seed=0), params, use_tqdm=False)
+    finally:
+        del ample.engine.runner.launch
+    num_slots = ample.engine.runner.inputs.num_slots
+    seen, expected, written, rows_run, quiet_steps = {}, 0, 0, 0, 0
+    for rows, inputs in steps:
+        assert inputs.sampling is None and inputs.md.block_tables is None
+        changed = 0
+        for request, admission, table_len, banned in rows:
+            version = (admission, table_len, banned)
+            changed += seen.get(request) != version
+            seen[request] = version
+        updates = inputs.row_updates
+        num_written = 0 if updates is None else int((updates.slots < num_slots).sum())
+        assert num_written == changed
+        written, expected, rows_run = written + num_written, expected + changed, rows_run + len(rows)
+        quiet_steps += updates is None
+    assert written == expected and rows_run > 400
+    assert written < rows_run / 4 and quiet_steps > len(steps) / 4, (written, rows_run, quiet_steps, len(steps))
+
+
+def test_a_decode_step_sends_a_fraction_of_the_per_row_state(ample):
+    """Bytes the host hands a steady decode step of 8 rows, against what the same rows' settings, bias
+    rows, histories and block tables (what every step carried before the device batch) weigh: a step
+    that writes no row sends only its tokens and row indices, and a row is written about once a page
+    (8 tokens) for its grown block table."""
+    steps = _record_steps(ample)
+    try:
+        ample.generate(_prompts(8, seed=1), SamplingParams(temperature=0.7, seed=1, max_tokens=30, ignore_eos=True,
+                                                          repetition_penalty=1.2), use_tqdm=False)
+    finally:
+        del ample.engine.runner.launch
+    builder = ample.engine.runner.inputs
+    per_row_state = (sum(x.nbytes for x in jax.tree.leaves(builder.empty_sampling(8)))
+                     + 8 * builder.cfg.pages_per_seq * 4)
+    decode = [inputs for rows, inputs in steps if len(rows) == 8 and all(len(r.output_token_ids) > 2 for r, *_ in rows)]
+    assert len(decode) > 10
+    num_slots = ample.engine.runner.inputs.num_slots
+    for inputs in decode:  # its tokens and row indices, and only the rows written (padded to a bucket)
+        assert sum(x.nbytes for x in jax.tree.leaves(inputs._replace(row_updates=None))) < per_row_state / 50
+        updates = inputs.row_updates
+        if updates is not None:
+            bucket = len(updates.slots)
+            assert sum(x.nbytes for x in jax.tree.leaves(updates)) == sum(
+                x.size * x.dtype.itemsize for x in jax.tree.leaves(builder.update_shapes(bucket)))
+            assert bucket < 2 * int((updates.slots < num_slots).sum())
+    rows_written = sum(int((inputs.row_updates.slots < num_slots).sum()) for inputs in decode if inputs.row_updates)
+    assert rows_written <= len(decode) * 8 / PAGE_SIZE + 8, (rows_written, len(decode))
+
+
+def test_penalties_see_the_same_tokens_after_preemption(ample, small):
+    """In the smallest pool the 8 penalized requests are preempted and recomputed: each comes back in a
+    fresh slot whose history is written whole, so its tokens equal the ample pool's."""
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, repetition_penalty=1.3,
+                            frequency_penalty=0.4, presence_penalty=0.3)
+    prompts = _prompts(8, seed=2)
+    before = small.get_stats()["num_preemptions"]
+    got = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
+    assert small.get_stats()["num_preemptions"] > before
+    want = [o.outputs[0].token_ids for o in ample.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    plain = [o.outputs[0].token_ids for o in ample.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True), use_tqdm=False)]
+    assert got != plain, "the penalties changed nothing: the comparison would prove nothing"
+
+
+def test_slots_are_taken_back_from_gone_sequences_only():
+    slots, live = Slots(4), {"a", "b", "c"}  # 3 slots to give, the 4th is padding's
+    placed = {key: slots.place(key, 0, live.__contains__) for key in ("a", "b", "c")}
+    assert sorted(slot for slot, _, _ in placed.values()) == [0, 1, 2] and slots.padding_slot == 3
+    assert all(write and history for _, write, history in placed.values())
+    assert slots.place("a", 0, live.__contains__) == (placed["a"][0], False, False)  # unchanged: no write
+    assert slots.place("a", 1, live.__contains__) == (placed["a"][0], True, False)  # changed: its row only
+    live.discard("b")
+    live.add("d")
+    assert slots.place("d", 0, live.__contains__) == (placed["b"][0], True, True)  # b's slot, b gone
+    with pytest.raises(AssertionError):
+        slots.place("e", 0, live.__contains__)  # a, c and d still run
