@@ -101,6 +101,12 @@ class ModelConfig:
     def scale(self) -> float:
         return self.query_scale or self.head_dim**-0.5
 
+    def kv_bytes_per_token(self, dtype) -> int:
+        """Bytes of K and V one token takes in the pages, over all layers, in `dtype`."""
+        import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
+
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * np.dtype(dtype).itemsize
+
     @property
     def layer_is_sliding(self) -> tuple[bool, ...]:
         return self.sliding_layers or (bool(self.sliding_window),) * self.num_layers

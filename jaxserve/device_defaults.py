@@ -14,11 +14,10 @@ This module decides numbers only: it places, allocates and compiles nothing (mod
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
-if TYPE_CHECKING:
-    from jaxserve.config import ModelConfig
-    from jaxserve.engine_config import EngineConfig
+from jaxserve.config import ModelConfig
+from jaxserve.engine_config import CPU, GPU, EngineConfig, KindDefaults
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +33,7 @@ class DeviceInfo:
         """This process's first device. Its memory is XLA's allocator limit (memory_stats' bytes_limit),
         not the data sheet's: on a GPU that is 75% of it unless XLA_PYTHON_CLIENT_MEM_FRACTION says
         otherwise. A CPU reports none."""
-        import jax  # here: engine_config imports this module, and `jaxserve --help` should not start JAX
+        import jax  # here: `jaxserve --help` should not start JAX
 
         device = jax.local_devices()[0]
         stats = device.memory_stats() or {}
@@ -44,28 +43,6 @@ class DeviceInfo:
     def target(cls, platform: str) -> DeviceInfo:
         """A device of `platform` that this machine does not have (check-lowering): memory unknown."""
         return cls(platform, f"{platform} (a compilation target)")
-
-
-@dataclasses.dataclass(frozen=True)
-class KindDefaults:
-    """What a kind of device gets for the settings left unset."""
-
-    name: str  # "a CPU", for the start-up line
-    dtype: str
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    kv_cache_memory_bytes: int | None  # None: sized from the device's memory
-    max_model_len_cap: int | None  # the most a default max_model_len may be, besides the model's and the pool's
-    why: str  # where the numbers come from, for the start-up line
-
-
-# The engine's defaults from before they depended on the device, kept as they were; float32 because a
-# CPU multiplies bfloat16 matrices more slowly.
-CPU = KindDefaults("a CPU", "float32", 32, 512, 512 * 2**20, 2048, "a CPU's defaults")
-# The engine measured on one H100 (docs/benchmarks.md, SmolLM2-1.7B's shape): bfloat16, which the Pallas
-# kernels need (with float32, auto attention falls back to XLA's, several times slower there), and 128
-# sequences in steps of 2048 tokens (16 executables to warm up).
-GPU = KindDefaults("a GPU", "bfloat16", 128, 2048, None, None, "the engine measured on an H100")
 
 
 def kind_defaults(device: DeviceInfo) -> KindDefaults:
@@ -94,13 +71,11 @@ def _size(num_bytes: float) -> str:
 def num_pool_pages(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
     """Pages in the pool (the dummy page not counted): num_kv_pages, else what kv_cache_memory_bytes
     holds for `model_cfg` (a device's share under tensor parallelism)."""
-    from jaxserve.models.transformer import kv_bytes_per_token  # it imports the backends, which import the config
-
     if cfg.num_kv_pages is not None:
         return cfg.num_kv_pages
     assert cfg.kv_cache_memory_bytes is not None, "the pool is sized from memory: measure first"
     # The array's dummy page 0 comes out of the same budget
-    return cfg.kv_cache_memory_bytes // (kv_bytes_per_token(model_cfg, cfg.dtype) * cfg.block_size) - 1
+    return cfg.kv_cache_memory_bytes // (model_cfg.kv_bytes_per_token(cfg.dtype) * cfg.block_size) - 1
 
 
 def resolve(cfg: EngineConfig, model_cfg: ModelConfig, device: DeviceInfo,
@@ -135,9 +110,7 @@ def resolve(cfg: EngineConfig, model_cfg: ModelConfig, device: DeviceInfo,
     pool_tokens = None if cfg.num_kv_pages is None and cfg.kv_cache_memory_bytes is None else (
         num_pool_pages(cfg, model_cfg) * cfg.block_size)
     if cfg.num_kv_pages is None and pool_tokens is not None and pool_tokens <= 0:
-        from jaxserve.models.transformer import kv_bytes_per_token
-
-        page_bytes = kv_bytes_per_token(model_cfg, cfg.dtype) * cfg.block_size
+        page_bytes = model_cfg.kv_bytes_per_token(cfg.dtype) * cfg.block_size
         raise ValueError(f"kv_cache_memory_bytes={cfg.kv_cache_memory_bytes} holds "
                          f"{cfg.kv_cache_memory_bytes // page_bytes} pages of {page_bytes} bytes; at least 2 are needed")
     if cfg.max_model_len is not None:

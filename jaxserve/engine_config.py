@@ -20,7 +20,28 @@ import dataclasses
 import re
 from typing import Any, Callable
 
-from jaxserve.device_defaults import CPU, GPU
+
+@dataclasses.dataclass(frozen=True)
+class KindDefaults:
+    """What a kind of device gets for the settings left unset (`device_defaults.resolve` applies them)."""
+
+    name: str  # "a CPU", for the start-up line
+    dtype: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_cache_memory_bytes: int | None  # None: sized from the device's memory
+    max_model_len_cap: int | None  # the most a default max_model_len may be, besides the model's and the pool's
+    why: str  # where the numbers come from, for the start-up line
+
+
+# The engine's defaults from before they depended on the device, kept as they were; float32 because a
+# CPU multiplies bfloat16 matrices more slowly.
+CPU = KindDefaults("a CPU", "float32", 32, 512, 512 * 2**20, 2048, "a CPU's defaults")
+# The engine measured on one H100 (docs/benchmarks.md, SmolLM2-1.7B's shape): bfloat16, which the Pallas
+# kernels need (with float32, auto attention falls back to XLA's, several times slower there), and 128
+# sequences in steps of 2048 tokens (16 executables to warm up).
+GPU = KindDefaults("a GPU", "bfloat16", 128, 2048, None, None, "the engine measured on an H100")
+
 
 # auto: the Pallas kernels on a Hopper GPU when the model fits them, the C++ kernel of cpu_ffi.py on a
 # CPU with float32 pages, else XLA (attention_backends.py says why it chose).

@@ -30,7 +30,7 @@ from jaxserve.attention_backends import resolve_attention_backend, resolve_matmu
 from jaxserve.config import ModelConfig
 from jaxserve.device_defaults import DeviceInfo, MemoryUse
 from jaxserve.engine_config import EngineConfig
-from jaxserve.models.transformer import (forward, init_kv_cache, kv_bytes_per_token, rope_position_tables,
+from jaxserve.models.transformer import (forward, init_kv_cache, rope_position_tables,
                                          serving_params)
 from jaxserve.sampling import SamplerOutput, sample
 from jaxserve.device_batch import BatchState
@@ -196,7 +196,7 @@ class ModelRunner:
         """Pages in the array: the pool's pages plus the dummy page 0. kv_cache_memory_bytes is per device."""
         num_pages = device_defaults.num_pool_pages(self.cfg, self.device_cfg)
         if self.cfg.num_kv_pages is None and num_pages < 1:
-            per_page = kv_bytes_per_token(self.device_cfg, self.cfg.dtype) * self.cfg.block_size
+            per_page = self.device_cfg.kv_bytes_per_token(self.cfg.dtype) * self.cfg.block_size
             raise ValueError(
                 f"kv_cache_memory_bytes={self.cfg.kv_cache_memory_bytes} holds {num_pages + 1} pages of "
                 f"{per_page} bytes; at least 2 are needed"

@@ -231,5 +231,3 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KV
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
