@@ -120,10 +120,10 @@ def _use_interpreter(dtype, detect_races):
     return False
 
 
-def run_ragged(head_dim, page_size, group, window, soft_cap, dtype, seed=0, detect_races=False):
+def run_ragged(head_dim, page_size, group, window, soft_cap, dtype, seed=0, detect_races=False, lengths=None):
     interpret = _use_interpreter(dtype, detect_races)
-    q, k, v, md, real_tokens = build_case(ragged_lengths(page_size), page_size=page_size, head_dim=head_dim,
-                                          group=group, dtype=dtype, seed=seed)
+    q, k, v, md, real_tokens = build_case(lengths or ragged_lengths(page_size), page_size=page_size,
+                                          head_dim=head_dim, group=group, dtype=dtype, seed=seed)
     args = (q, k, v, LAYER, md.cu_q_lens, md.kv_lens, md.block_tables)
     kw = dict(scale=head_dim**-0.5, soft_cap=soft_cap)
     kernel = jax.jit(functools.partial(pk.ragged_paged_attention, interpret=interpret, detect_races=detect_races, **kw))
@@ -171,6 +171,15 @@ def test_ragged_kernel_matches_reference(head_dim, page_size, group, window, sof
     guards the tiling into (token, head) rows, the causal/window masks, soft-cap, the page walk and the
     cross-tile online softmax."""
     run_ragged(head_dim, page_size, group, window, soft_cap, dtype)
+
+
+@pytest.mark.parametrize("head_dim,page_size,window", [(256, 128, 0), (64, 256, 40)])
+def test_ragged_kernel_with_kv_tiles_inside_a_page(head_dim, page_size, window):
+    """Pages larger than the ragged kernel's KV tile (head_dim 256 with 128-token pages: 64-key tiles;
+    256-token pages: 128-key tiles): each TMA copy takes a slice of one page at an offset. Lengths put
+    keys in both halves of pages, a chunk across a page boundary and a prefix over several pages."""
+    lengths = [(1, 0), (1, page_size - 2), (40, page_size - 20), (20, 2 * page_size + 30)]
+    run_ragged(head_dim, page_size, 8, window, 0.0, "bfloat16", lengths=lengths)
 
 
 @pytest.mark.parametrize("head_dim,page_size,group,window,soft_cap,dtype,num_splits", DECODE_CASES)
@@ -249,6 +258,23 @@ def test_race_detector_catches_a_missing_barrier_wait(monkeypatch):
         pass  # the numbers may come out right or wrong; the race report is what is checked
     assert skipped, "the mutation did not apply"
     assert races_found()
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the interpreter's runners; on a GPU the engine test counts compilations")
+def test_an_interpreted_kernel_compiles_nothing_after_its_first_call():
+    """Zero compilations after warm-up, at the kernel: a second call with new values of the same shapes
+    compiles nothing, the interpreter's runner of each warpgroup included (JAX 0.10.2 on its own
+    recompiles every warpgroup of every program on every call; pallas_kernels.interpret caches them)."""
+    from jaxserve import compilation
+
+    q, k, v, md, _ = build_case(ragged_lengths(16), page_size=16, head_dim=64, group=4, dtype="float32", seed=0)
+    kernel = jax.jit(functools.partial(pk.ragged_paged_attention, scale=0.125, interpret=True))
+    args = (k, v, LAYER, md.cu_q_lens, md.kv_lens, md.block_tables)
+    kernel(q, *args).block_until_ready()
+    q_new = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), q.dtype)  # no op: nothing to compile
+    before = compilation.num_compilations()
+    kernel(q_new, *args).block_until_ready()
+    assert compilation.num_compilations() == before
 
 
 def test_the_ragged_grid_reaches_every_path_of_the_ring():
