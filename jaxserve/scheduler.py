@@ -48,7 +48,8 @@ def _needs_prefill(request: Request) -> bool:
 
 def _last_token_pending(request: Request) -> bool:
     """Its token on the device is its max_tokens-th: a row for the next one would be discarded."""
-    return 0 < request.num_pending_tokens and len(request.output_token_ids) + request.num_pending_tokens >= request.max_tokens
+    num_outputs = len(request.output_token_ids) + request.num_pending_tokens
+    return request.num_pending_tokens > 0 and num_outputs >= request.max_tokens
 
 
 def _waiting_key(request: Request) -> tuple[int, int]:

@@ -145,7 +145,8 @@ class StepInputBuilder:
             pos = np.arange(s.num_computed_tokens, s.num_computed_tokens + n, dtype=np.int32)
             token_ids[row:row + n] = s.token_ids
             positions[row:row + n] = pos
-            slot_mapping[row:row + n] = np.asarray(s.block_table, np.int32)[pos // page_size] * page_size + pos % page_size
+            pages = np.asarray(s.block_table, np.int32)[pos // page_size]
+            slot_mapping[row:row + n] = pages * page_size + pos % page_size
             kv_lens[i] = s.num_computed_tokens + n
             samples[i] = s.samples
             if s.prev_row is not None:
