@@ -2,6 +2,7 @@
 
 from jaxserve.llm import LLM, CompletionOutput, RequestOutput
 from jaxserve.sampling import SamplingParams
+from jaxserve.structured_output import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

@@ -29,10 +29,11 @@ from jaxserve.page_pool import PagePool
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling import SamplerOutput, SamplingParams
 from jaxserve.scheduler import Scheduler, SchedulerOutput
+from jaxserve.structured_output import Grammars
 from jaxserve.weights import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
-STEP_PHASES = ("schedule", "inputs", "launch", "wait", "update")
+STEP_PHASES = ("schedule", "inputs", "grammar", "launch", "wait", "update")
 _PLACEHOLDER = 0  # the host's stand-in for a token still on the device (the step reads the real one)
 _INERT_PARAMS = SamplingParams(temperature=0.0)  # the row of a request that failed before its step
 
@@ -50,6 +51,10 @@ class _LaunchedStep:
     sampled: SamplerOutput  # on the device
     with_logprobs: bool
 
+    @property
+    def has_grammar(self) -> bool:
+        return any(request.grammar is not None for request, _ in self.output.scheduled)
+
 
 class LLMEngine:
     def __init__(self, model: LoadedModel, cfg: EngineConfig):
@@ -62,6 +67,7 @@ class LLMEngine:
         self.pool = PagePool(self.runner.num_pages, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.pool, self.runner.prefill_buckets)
         self.requests: dict[str, Request] = {}
+        self.grammars = Grammars(model.tokenizer, self.model_cfg.vocab_size)  # structured output, compiled and cached
         self._rng = random.Random(cfg.seed)
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -161,6 +167,8 @@ class LLMEngine:
                           eos_token_ids=self.model_cfg.eos_token_ids, priority=priority)
         if self.tokenizer is not None:
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, params, prompt)
+        if params.structured_outputs is not None:
+            request.grammar = self.grammars.matcher(params.structured_outputs)
         return request
 
     def add_request(self, prompt_token_ids: list[int] | Request, params: SamplingParams | None = None,
@@ -200,8 +208,13 @@ class LLMEngine:
     def _step(self) -> list[Request]:
         """Schedules and launches a step, then reads the tokens of a step: the same one, or with
         asynchronous scheduling the one launched before it, so the host's reading, stop checks and
-        detokenizing of step N overlap step N+1 on the device (whose decode rows take N's tokens there)."""
+        detokenizing of step N overlap step N+1 on the device (whose decode rows take N's tokens there).
+        A step holding structured-output rows is read before the next is scheduled: their grammars
+        must see each token before they can say what the next may be."""
         start = time.perf_counter()
+        updated = []
+        if self._launched is not None and self._launched.has_grammar:
+            updated, self._launched = self._read(self._launched), None
         launched, failed = self._launch()
         for request, message in failed.items():  # their rows ran inert; the pages were written as scheduled
             self.scheduler.fail(request, message)
@@ -209,8 +222,9 @@ class LLMEngine:
         launched_now = launched
         if self.async_scheduling:
             launched, self._launched = self._launched, launched
-        updated = [] if launched is None else self._read(launched)
-        if launched is not None or launched_now is not None or failed:
+        if launched is not None:
+            updated += self._read(launched)
+        if launched is not None or launched_now is not None or failed or updated:
             self.step_seconds += time.perf_counter() - start
         return updated + list(failed)
 
@@ -235,9 +249,11 @@ class LLMEngine:
             logger.error("request %s: building its sampling row failed", request.request_id, exc_info=error)
             failed.setdefault(request, "building its sampling row failed")
 
-        prepared = self.runner.prepare(seqs, on_row_error=row_failed)
+        kind, bucket, inputs = self.runner.prepare(seqs, on_row_error=row_failed)
         clock = self._timed("inputs", clock)
-        sampled = self.runner.launch(*prepared)
+        self._fill_token_bitmask(output, seqs, inputs.token_bitmask, failed)
+        clock = self._timed("grammar", clock)
+        sampled = self.runner.launch(kind, bucket, inputs)
         self._timed("launch", clock)
         self.scheduler.advance(output)
         return _LaunchedStep(output, sampled, with_logprobs), failed
@@ -249,11 +265,42 @@ class LLMEngine:
         clock = self._timed("wait", clock)
         updated = self.scheduler.update_from_output(launched.output, sampled)
         for request in updated:
+            self._advance_grammar(request)
             self._detokenize(request)
             if request.status.is_finished:
                 self.requests.pop(request.request_id, None)
         self._timed("update", clock)
         return updated
+
+    def _fill_token_bitmask(self, output: SchedulerOutput, seqs: list[ScheduledSeq], bitmask, failed) -> None:
+        """Each structured-output row that samples this step gets what its grammar allows next."""
+        rows = {row: request for row, ((request, _), seq) in enumerate(zip(output.scheduled, seqs))
+                if request.grammar is not None and seq.samples and request not in failed}
+        if not rows:
+            return
+        try:
+            self.grammars.fill_bitmasks([(request.grammar, row) for row, request in rows.items()], bitmask)
+        except Exception:  # noqa: BLE001 - find the rows at fault and fail them; the others go on
+            for row, request in rows.items():
+                try:
+                    request.grammar.fill(bitmask, row)
+                except Exception:  # noqa: BLE001
+                    logger.exception("request %s: its grammar's token mask failed", request.request_id)
+                    failed[request] = "computing its grammar's token mask failed"
+
+    def _advance_grammar(self, request: Request) -> None:
+        """Moves a structured-output request's grammar past its new token; a grammar that is complete
+        ends the request ("stop"), one that cannot take the token fails it."""
+        if request.grammar is None or request.status is RequestStatus.FINISHED_ERROR:
+            return
+        token = request.output_token_ids[-1]
+        if not request.grammar.accept(token):
+            if not request.status.is_finished:  # ended anyway (its length, an EOS) and nothing more is sampled
+                self.scheduler.fail(request, f"the grammar does not allow token {token}: "
+                                             f"{request.grammar.error or 'no token was allowed'}")
+            return
+        if request.grammar.is_terminated and not request.status.is_finished:
+            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
 
     def _timed(self, phase: str, since: float) -> float:
         now = time.perf_counter()

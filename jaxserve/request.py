@@ -10,6 +10,7 @@ import enum
 import time
 
 from jaxserve.sampling import SamplingParams
+from jaxserve.structured_output import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -53,6 +54,7 @@ class Request:
     # Per output token, when sampling_params.logprobs is set: {token_id: logprob}, sampled token first.
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     detokenizer: object | None = None  # IncrementalDetokenizer, set by the engine
+    grammar: GrammarMatcher | None = None  # set by the engine for structured output
 
     @property
     def output_text(self) -> str:

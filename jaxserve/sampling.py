@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.errors import InvalidParameter
+from jaxserve.structured_output import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default max_logprobs
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request
@@ -53,6 +54,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar
 
     def __post_init__(self):
         def check(ok: bool, param: str, message: str):
@@ -102,6 +104,12 @@ class SamplingParams:
               "logit_bias values must not be NaN")
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            unknown = set(self.structured_outputs) - {f.name for f in dataclasses.fields(StructuredOutputsParams)}
+            check(not unknown, "structured_outputs", f"unknown structured_outputs fields: {sorted(unknown)}")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs", "structured_outputs must be a StructuredOutputsParams")
 
     @property
     def uses_penalties(self) -> bool:
@@ -146,6 +154,15 @@ def apply_penalties(logits, t: SamplingTensors):
     rep = t.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     return logits - t.frequency_penalty[:, None] * counts - t.presence_penalty[:, None] * (counts > 0)
+
+
+def apply_token_bitmask(logits, token_bitmask):
+    """Bans (-inf) what each row's packed bitmask [S, ceil(vocab / 32)] int32 leaves out: bit j of word w
+    allows token 32 w + j (llguidance's layout); -1 words allow everything."""
+    num_seqs, vocab = logits.shape
+    bits = (token_bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, words, 32]
+    allowed = bits.reshape(num_seqs, -1)[:, :vocab].astype(jnp.bool_)
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def choose(branches: bool, pred, on_true, on_false, *operands):
@@ -275,15 +292,20 @@ def no_logprobs(num_seqs: int, dtype):
             jnp.zeros((num_seqs, MAX_LOGPROBS), dtype))
 
 
-def sample(logits, t: SamplingTensors, branches: bool = True) -> SamplerOutput:
+def sample(logits, t: SamplingTensors, branches: bool = True, token_bitmask=None) -> SamplerOutput:
     """Samples one token per row from logits [S, vocab] f32.
 
-    A batch of greedy rows with no penalties and no logit bias (the common serving case) takes the argmax
-    of the logits and nothing else; otherwise the penalties, the bias and the random draw each run only
-    when a row asks for them, and so do logprobs, which are of the raw logits, as vLLM reports them.
+    A batch of greedy rows with no penalties, no logit bias and no grammar (the common serving case) takes
+    the argmax of the logits and nothing else; otherwise the penalties, the bias, the grammar's bitmask
+    (token_bitmask [S, ceil(vocab / 32)] int32, -1 in unconstrained rows) and the random draw each run
+    only when a row asks for them, and so do logprobs, which are of the raw logits, as vLLM reports them
+    (with a grammar's banned tokens at -inf, as vLLM applies the bitmask before its sampler).
     branches=False (a GPU): every part runs and selects replace the branches (`choose`); same tokens.
     """
     num_seqs = logits.shape[0]
+    if token_bitmask is None:
+        token_bitmask = jnp.full((num_seqs, -(-logits.shape[1] // 32)), -1, jnp.int32)
+    uses_grammar = jnp.any(token_bitmask != -1)
     uses_penalties = jnp.any((t.presence_penalty != 0) | (t.frequency_penalty != 0) | (t.repetition_penalty != 1))
     uses_bias = jnp.any(t.bias_values != 0)  # logit_bias, and min_tokens' suppressed stop tokens
     uses_random = jnp.any(t.temperature > 0)
@@ -295,6 +317,7 @@ def sample(logits, t: SamplingTensors, branches: bool = True) -> SamplerOutput:
             branches, uses_bias, lambda p: p.at[rows, t.bias_ids].add(t.bias_values, mode="drop"), lambda p: p,
             processed,
         )
+        processed = choose(branches, uses_grammar, apply_token_bitmask, lambda p, m: p, processed, token_bitmask)
         greedy = argmax(processed)
         return choose(
             branches, uses_random,
@@ -303,13 +326,14 @@ def sample(logits, t: SamplingTensors, branches: bool = True) -> SamplerOutput:
 
     # The branches return token ids only: a branch that handed the logits through unchanged would copy
     # them, [S, vocab] float32, in every step that takes it.
-    tokens = choose(branches, uses_penalties | uses_bias | uses_random, processed_tokens,
+    tokens = choose(branches, uses_penalties | uses_bias | uses_random | uses_grammar, processed_tokens,
                     lambda: argmax(logits)).astype(jnp.int32)
 
     def logprobs():
-        log_normalizer = jax.nn.logsumexp(logits, axis=-1)
-        token_logprobs = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_normalizer
-        top_logprobs, top_ids = jax.lax.top_k(logits - log_normalizer[:, None], MAX_LOGPROBS)
+        masked = apply_token_bitmask(logits, token_bitmask)
+        log_normalizer = jax.nn.logsumexp(masked, axis=-1)
+        token_logprobs = jnp.take_along_axis(masked, tokens[:, None], axis=-1)[:, 0] - log_normalizer
+        top_logprobs, top_ids = jax.lax.top_k(masked - log_normalizer[:, None], MAX_LOGPROBS)
         return token_logprobs, top_ids.astype(jnp.int32), top_logprobs
 
     token_logprobs, top_ids, top_logprobs = choose(branches, jnp.any(t.want_logprobs), logprobs,

@@ -64,6 +64,9 @@ class StepInputs(NamedTuple):
     row_slots: np.ndarray | None = None  # [S] int32: each row's slot in the device batch
     samples: np.ndarray | None = None  # [S] bool: the row's sampled token is real
     row_updates: RowUpdates | None = None  # written before the step (not an input of its executable)
+    # [S, ceil(vocab / 32)] int32: the tokens each row's grammar allows (structured output), bit j of word
+    # w for token 32 w + j; -1 (all allowed) in unconstrained rows. Filled by the engine after `build`.
+    token_bitmask: np.ndarray | None = None
 
 
 class StepInputBuilder:
@@ -71,6 +74,10 @@ class StepInputBuilder:
         self.model_cfg, self.cfg = model_cfg, engine_cfg
         # logit_bias entries, plus EOS and stop ids suppressed before min_tokens
         self.bias_width = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + len(model_cfg.eos_token_ids)
+
+    @property
+    def bitmask_words(self) -> int:
+        return -(-self.model_cfg.vocab_size // 32)
 
     @property
     def num_slots(self) -> int:
@@ -99,6 +106,7 @@ class StepInputBuilder:
             prev_rows=i32(num_tokens),
             row_slots=i32(num_seqs),
             samples=jax.ShapeDtypeStruct((num_seqs,), jnp.bool_),
+            token_bitmask=i32(num_seqs, self.bitmask_words),
         )
 
     def update_shapes(self, num_rows: int) -> RowUpdates:
@@ -167,7 +175,9 @@ class StepInputBuilder:
         cu_q_lens[len(seqs) + 1:] = row
         logits_indices = np.maximum(cu_q_lens[1:] - 1, 0)
         md = AttentionMetadata(slot_mapping, cu_q_lens, kv_lens, None)
-        return StepInputs(token_ids, positions, md, logits_indices, None, prev_rows, row_slots, samples, updates)
+        token_bitmask = np.full((num_seqs, self.bitmask_words), -1, np.int32)
+        return StepInputs(token_ids, positions, md, logits_indices, None, prev_rows, row_slots, samples, updates,
+                          token_bitmask)
 
     def fill_update(self, updates: RowUpdates, u: int, s: ScheduledSeq, slot: int) -> None:
         """Update row u: sequence s's settings and block table, for `slot` (its history if it takes the slot)."""

@@ -1,0 +1,197 @@
+"""Structured output: a request's JSON schema, regex, choice or grammar, held to as it is sampled.
+
+`StructuredOutputsParams` is what a request asks for (vLLM's names). `Grammars` compiles it with
+llguidance against the model's tokenizer, once per distinct source (a cache; compiling can take tens of
+milliseconds, so the server does it on a worker thread before it submits), and gives each request its
+own `GrammarMatcher`. Per step the engine fills, for each constrained row that samples, a packed bitmask
+of the tokens the grammar allows (`fill_bitmasks`, over a thread pool when several rows need one); the
+sampler bans the rest on the device (`sampling.apply_token_bitmask`). Each sampled token then advances
+the matcher; a grammar that can take nothing more ends the request with finish reason "stop".
+
+What this module does not own: which requests run (scheduler.py), the device arrays (step_inputs.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import threading
+
+import numpy as np
+
+from jaxserve.errors import InvalidParameter
+
+PARAM = "structured_outputs"
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_CACHE_SIZE = 256  # compiled grammars kept, by source
+_PARALLEL_FILL_ROWS = 4  # fewer constrained rows than this fill their masks on the calling thread
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint on a request's output (vLLM's `StructuredOutputsParams`): exactly one of
+    json (a JSON schema, as a dict or its JSON text), regex, choice (the output is one of these strings),
+    grammar (Lark, or llama.cpp's GBNF) or json_object (any JSON object).
+    disable_any_whitespace: JSON is written without free whitespace (`{"a": 1, "b": [2, 3]}`)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        given = [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidParameter(PARAM, "structured_outputs needs exactly one of json, regex, choice, grammar or "
+                                          f"json_object; got {', '.join(given) if given else 'none'}")
+        if self.choice is not None:
+            choice = self.choice
+            if not (isinstance(choice, (list, tuple)) and choice and all(isinstance(c, str) for c in choice)):
+                raise InvalidParameter(PARAM, "choice must be a non-empty list of strings")
+            object.__setattr__(self, "choice", tuple(choice))
+        for kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            if value is not None and not (isinstance(value, str) and value):
+                raise InvalidParameter(PARAM, f"{kind} must be a non-empty string")
+        if isinstance(self.json, dict):  # hashable, and one cache entry whatever the key order
+            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in _KINDS if getattr(self, kind) not in (None, False))
+
+    def llguidance_grammar(self) -> str:
+        """This constraint as an llguidance grammar (not yet checked against a tokenizer)."""
+        from llguidance import LLMatcher, grammar_from
+
+        if self.regex is not None:
+            return LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            return grammar_from("choice", json.dumps(list(self.choice)))
+        if self.grammar is not None:
+            return grammar_from("grammar", self.grammar)
+        schema = {"type": "object"} if self.json_object else _parse_schema(self.json)
+        # llguidance's JSON options: free whitespace between tokens unless disabled, as vLLM's default
+        options = {"whitespace_flexible": not self.disable_any_whitespace}
+        if self.disable_any_whitespace:
+            options |= {"key_separator": ": ", "item_separator": ", "}
+        return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)
+
+
+def _parse_schema(text: str) -> dict | bool:
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidParameter(PARAM, f"the JSON schema is not valid JSON: {e}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidParameter(PARAM, f"a JSON schema must be an object or a boolean, got {type(schema).__name__}")
+    return schema
+
+
+class GrammarMatcher:
+    """One request's place in its grammar."""
+
+    def __init__(self, matcher):
+        self._matcher = matcher  # llguidance.LLMatcher
+
+    def accept(self, token_id: int) -> bool:
+        """Advances past a sampled token; False if the grammar does not allow it."""
+        return self._matcher.consume_token(token_id)
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and takes no more tokens."""
+        return self._matcher.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        return self._matcher.get_error() if self._matcher.is_error() else None
+
+    def fill(self, bitmask: np.ndarray, row: int) -> None:
+        from llguidance.numpy import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self._matcher, bitmask, row)
+
+
+class Grammars:
+    """Compiles constraints against one tokenizer, caching them by source; safe from any thread."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self._hf_tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._tokenizer = None  # llguidance's view of it, built on first use (about half a second)
+        self._cache: collections.OrderedDict[StructuredOutputsParams, object] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._executor = None
+
+    @property
+    def words(self) -> int:
+        """int32 words of one row's packed bitmask."""
+        return -(-self.vocab_size // 32)
+
+    def _llg_tokenizer(self):
+        if self._tokenizer is None:
+            import llguidance.hf
+
+            if self._hf_tokenizer is None:
+                raise InvalidParameter(PARAM, "structured output needs the model's tokenizer, and this engine has none")
+            self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size)
+        return self._tokenizer
+
+    def compile(self, params: StructuredOutputsParams):
+        """The compiled matcher of `params`, from the cache or built now; InvalidParameter names what
+        is wrong with a schema, regex or grammar."""
+        with self._lock:
+            if params in self._cache:
+                self._cache.move_to_end(params)
+                return self._cache[params]
+            tokenizer = self._llg_tokenizer()
+        from llguidance import LLMatcher
+
+        try:
+            grammar = params.llguidance_grammar()
+        except (ValueError, TypeError) as e:
+            if isinstance(e, InvalidParameter):
+                raise
+  # noqa: BLE001 - llguidance's own message says what it could not read
+            raise InvalidParameter(PARAM, f"invalid {_NAMES[params.kind]}: {e}") from None
+        error = LLMatcher.validate_grammar(grammar, tokenizer)
+        if error:
+            raise InvalidParameter(PARAM, f"invalid {_NAMES[params.kind]}: {error.strip()}")
+        matcher = LLMatcher(tokenizer, grammar)
+        if matcher.is_error():
+            raise InvalidParameter(PARAM, f"invalid {_NAMES[params.kind]}: {matcher.get_error()}")
+        with self._lock:
+            self._cache[params] = matcher
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return matcher
+
+    def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
+        """A fresh matcher for one request (a copy of the compiled one)."""
+        return GrammarMatcher(self.compile(params).deep_copy())
+
+    def fill_bitmasks(self, rows: list[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
+        """Fills bitmask [S, words] rows with what each matcher allows next; other rows are untouched."""
+        if len(rows) < _PARALLEL_FILL_ROWS:
+            for matcher, row in rows:
+                matcher.fill(bitmask, row)
+            return
+        from llguidance import LLExecutor
+        from llguidance.numpy import fill_next_token_bitmask_par
+
+        if self._executor is None:
+            self._executor = LLExecutor()
+        fill_next_token_bitmask_par(self._executor, [(m._matcher, row) for m, row in rows], bitmask)
+
+
+_NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice",
+          "grammar": "grammar"}
+
+
+def allowed_token_ids(bitmask_row: np.ndarray) -> np.ndarray:
+    """The token ids a packed bitmask row [words] int32 allows (for tests and debugging)."""
+    return np.unpackbits(bitmask_row.view(np.uint8), bitorder="little").nonzero()[0]
+
