@@ -24,6 +24,9 @@ from server.errors import APIError, APIKeyMiddleware, BodySizeLimitMiddleware, e
 from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from server.responses import ChatFormat, ChoiceFormat, CompletionFormat, whole_response
 from server.streaming import collect, sse_response
+from server.structured import compile_constraint, requested_constraint
+from server.tool_parsers import PARSERS
+from server.tools import chat_constraint, tool_calling
 
 STATIC_DIR = Path(__file__).parent / "static"
 # The page loads only its own files (it works offline), and a reply's Markdown can load or run nothing.
@@ -35,10 +38,14 @@ CHAT_PAGE_HEADERS = {
 
 
 def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_body_bytes: int,
-               api_key: str | None = None, max_queued_requests: int = 256, chat_page: bool = True) -> FastAPI:
+               api_key: str | None = None, max_queued_requests: int = 256, chat_page: bool = True,
+               tool_call_parser: str | None = None) -> FastAPI:
+    """`tool_call_parser`: the parser of tool_choice="auto" (`tool_parsers.PARSERS`); None refuses "auto"."""
     app = FastAPI(title="jaxserve", version=jaxserve.__version__,
                   description="OpenAI-compatible API of the jaxserve inference engine")
     state = ServerState(engine_loop, served_model_name, max_queued_requests)
+    if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        raise ValueError(f"unknown tool_call_parser {tool_call_parser!r}; known: {', '.join(PARSERS)}")
     app.state.jaxserve = state
     install_error_handlers(app)
     if api_key:
@@ -80,7 +87,8 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_b
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
         if body.messages is not None:
-            ids = await edge.chat_prompt_ids(state, body.messages, body.add_generation_prompt, False)
+            tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
+            ids = await edge.chat_prompt_ids(state, body.messages, body.add_generation_prompt, False, tools)
         else:
             ids = await edge.encode(state, body.prompt, "prompt", body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
@@ -99,7 +107,10 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_b
         if body.echo and body.logprobs is not None:
             raise APIError(400, "echo with logprobs needs prompt logprobs, which jaxserve does not support yet",
                            "echo")
-        params = edge.sampling_params(body, body.max_tokens, body.logprobs)
+        constraint = requested_constraint(body)
+        if constraint is not None:
+            await compile_constraint(state, constraint)
+        params = edge.sampling_params(body, body.max_tokens, body.logprobs, constraint and constraint.params)
         prompts = await edge.completion_prompts(state, body.prompt, body.n)
         for ids in prompts:
             edge.check_context(state, len(ids), body.max_tokens, "prompt")
@@ -112,11 +123,15 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_b
         edge.check_model(state, body.model)
         max_tokens = body.max_completion_tokens or body.max_tokens
         num_top = (body.top_logprobs or 0) if body.logprobs else None
-        params = edge.sampling_params(body, max_tokens, num_top)
+        calling = tool_calling(body, tool_call_parser, state.tokenizer)
+        constraint = await chat_constraint(state, body, calling)
+        params = edge.sampling_params(body, max_tokens, num_top, constraint and constraint.params,
+                                      show_special_tokens=bool(calling and calling.parser
+                                                               and calling.parser.show_special_tokens))
         ids = await edge.chat_prompt_ids(state, body.messages, body.add_generation_prompt,
-                                         body.continue_final_message)
+                                         body.continue_final_message, calling and calling.tools)
         edge.check_context(state, len(ids), max_tokens, "messages")
-        fmt = ChatFormat(state.tokenizer, body.n, num_top)
+        fmt = ChatFormat(state.tokenizer, body.n, num_top, calling)
         return await _generate(state, raw, body, [ids], params, fmt)
 
     return app

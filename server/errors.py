@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.errors import InvalidParameter
+from server.protocol import REFUSED
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +61,12 @@ def install_error_handlers(app: FastAPI) -> None:
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
             return error_response(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}")
+        # An unknown field is named first: the other errors may only follow from it.
+        errors = sorted(errors, key=lambda err: err.get("type") != "extra_forbidden")
+        first = errors[0] if errors else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         message = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body') or 'body'}: "
-                            f"{err.get('msg')}" for err in errors[:5])
+                            f"{_message(err)}" for err in errors[:5])
         return error_response(400, message or "invalid request", ".".join(loc) or None)
 
     @app.exception_handler(StarletteHTTPException)
@@ -73,6 +77,16 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(request: Request, e: Exception):
         logger.error("unhandled error in %s %s", request.method, request.url.path, exc_info=e)
         return error_response(500, INTERNAL_ERROR)
+
+
+def _message(error: dict) -> str:
+    """pydantic's message, or for a field the model does not declare, why it is refused."""
+    if error.get("type") != "extra_forbidden":
+        return error.get("msg", "invalid")
+    name = str(error.get("loc", ("",))[-1])
+    if name in REFUSED:
+        return f"{name} is not supported by jaxserve ({REFUSED[name]})"
+    return f"unknown field {name!r} (jaxserve refuses fields it does not know rather than ignore them)"
 
 
 class APIKeyMiddleware:

@@ -17,6 +17,8 @@ import os
 import sys
 import time
 
+from server.tool_parsers import PARSERS as TOOL_CALL_PARSERS
+
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20  # prompts of a long context, as text or token ids, fit easily
 
 
@@ -32,6 +34,8 @@ def serve(args: argparse.Namespace) -> None:
     started = time.perf_counter() - _process_age()
     load_start = time.perf_counter()
     chat_template = _read_chat_template(args.chat_template) if args.chat_template else None  # fail before loading
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the format the model writes calls in)")
     engine, warmup = LLMEngine.from_config(args.model, engine_config_from_args(args))
     if chat_template is not None:
         engine.tokenizer.chat_template = chat_template
@@ -42,7 +46,8 @@ def serve(args: argparse.Namespace) -> None:
                                       else "SmolLM2-135M-Instruct")
     api_key = args.api_key or os.environ.get("JAXSERVE_API_KEY")
     app = create_app(engine_loop, name, api_key=api_key, max_queued_requests=args.max_queued_requests,
-                     max_request_body_bytes=args.max_request_body_bytes, chat_page=args.chat_page)
+                     max_request_body_bytes=args.max_request_body_bytes, chat_page=args.chat_page,
+                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -100,6 +105,11 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template (a file, or the template itself) to use instead of the "
                              "model's own, for a model that ships none")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let the model decide when to call tools (tool_choice "auto", the default with tools), '
+                             "read with --tool-call-parser")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
+                        help="the format the model writes tool calls in (vLLM's names)")
     parser.add_argument("--no-chat-page", dest="chat_page", action="store_false",
                         help="do not serve the chat page on / (the API is unchanged)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,

@@ -8,8 +8,11 @@ event loop; input the tokenizer or a template cannot take is a 400.
 
 from __future__ import annotations
 
+import json
+
 from jaxserve.errors import InvalidParameter
 from jaxserve.sampling import SamplingParams
+from jaxserve.structured_output import StructuredOutputsParams
 from server.admission import ServerState
 from server.errors import APIError
 from server.protocol import ChatMessage, SamplingFields
@@ -68,19 +71,16 @@ async def completion_prompts(state: ServerState, prompt, n: int) -> list[list[in
 
 
 async def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
-                          continue_final: bool) -> list[int]:
+                          continue_final: bool, tools: list[dict] | None = None) -> list[int]:
+    """The chat template's prompt; `tools` (OpenAI's tool dicts) go to templates that render them."""
     if state.tokenizer.chat_template is None:
         raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-    conversation = []
-    for m in messages:
-        content = m.content if isinstance(m.content, str) or m.content is None else \
-            "".join(part.text for part in m.content)
-        conversation.append({"role": m.role, "content": check_text(content or "", "messages")})
+    conversation = [template_message(i, m) for i, m in enumerate(messages)]
 
     def render() -> str:
         return state.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final,
-            continue_final_message=continue_final)
+            conversation, tools=tools or None, tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final, continue_final_message=continue_final)
 
     try:
         text = await state.run_blocking(render)
@@ -92,6 +92,28 @@ async def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_g
     return ids
 
 
+def template_message(index: int, m: ChatMessage) -> dict:
+    """One message as Hugging Face chat templates take it: text content (never None, which templates
+    would print), an assistant's tool calls with their arguments as a dict, a tool result's call id."""
+    content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
+    message = {"role": m.role, "content": check_text(content or "", "messages")}
+    if m.name is not None:
+        message["name"] = m.name
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        message["tool_calls"] = []
+        for j, call in enumerate(m.tool_calls):
+            field = f"messages[{index}].tool_calls[{j}].function.arguments"
+            try:
+                arguments = json.loads(check_text(call.function.arguments, field))
+            except ValueError:
+                raise APIError(400, f"{field} is not JSON text", field) from None
+            message["tool_calls"].append({"id": call.id, "type": "function",
+                                          "function": {"name": call.function.name, "arguments": arguments}})
+    return message
+
+
 def check_context(state: ServerState, num_prompt: int, max_tokens: int | None, param: str) -> None:
     requested = num_prompt + (max_tokens or 1)
     if requested > state.max_model_len:
@@ -101,9 +123,12 @@ def check_context(state: ServerState, num_prompt: int, max_tokens: int | None, p
                             f"or the completion.", param)
 
 
-def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                    structured_outputs: StructuredOutputsParams | None = None,
+                    show_special_tokens: bool = False) -> SamplingParams:
     """The request's sampling fields as `SamplingParams`; their limits (counts of stop strings and
-    logit_bias entries included) are checked there, and token ids by the engine at submission."""
+    logit_bias entries included) are checked there, and token ids by the engine at submission.
+    `show_special_tokens`: a tool-call parser needs its markers, which are special tokens, in the text."""
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
     bias = {}
@@ -121,8 +146,8 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop,
             stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos, logprobs=logprobs,
-            logit_bias=bias or None, skip_special_tokens=body.skip_special_tokens,
-            include_stop_str_in_output=body.include_stop_str_in_output,
+            logit_bias=bias or None, skip_special_tokens=body.skip_special_tokens and not show_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output, structured_outputs=structured_outputs,
         )
     except InvalidParameter as e:
         raise APIError.invalid(e) from None

@@ -115,28 +115,61 @@ class CompletionFormat(ChoiceFormat):
 
 
 class ChatFormat(ChoiceFormat):
+    """Chat choices; with tool calling (`tools.ToolCalling`), each choice's output goes through a reader
+    that splits it into content and `tool_calls`."""
+
     kind, chunk_kind = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, tokenizer, num_choices: int, num_top_logprobs: int | None):
+    def __init__(self, tokenizer, num_choices: int, num_top_logprobs: int | None, tool_calling=None):
         super().__init__(tokenizer, num_choices)
         self.num_top = num_top_logprobs  # None: no logprobs
+        self.tool_calling = tool_calling if tool_calling is not None and tool_calling.choice != "none" else None
+        self.readers = [self.tool_calling.reader() for _ in range(num_choices)] if self.tool_calling else None
 
     def opening(self, index: int) -> dict | None:
-        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        # a required or named call has no content at all
+        content = None if self.tool_calling and self.tool_calling.choice in ("required", "named") else ""
+        return {"index": index, "delta": {"role": "assistant", "content": content}, "logprobs": None,
                 "finish_reason": None}
 
     def delta_choice(self, index: int, delta: StreamDelta) -> dict | None:
-        if not (delta.text or delta.finish_reason or delta.logprobs):
+        content, calls, finish_reason = delta.text, [], delta.finish_reason
+        if self.readers is not None:
+            reader = self.readers[index]
+            content, calls = reader.feed(delta.text)
+            if finish_reason is not None:
+                more_content, more_calls = reader.finish()
+                content, calls = content + more_content, calls + more_calls
+                finish_reason = self._finish_reason(reader, finish_reason)
+            calls = [call for call in calls if self.tool_calling.parallel or call["index"] == 0]
+        if not (content or calls or finish_reason or delta.logprobs):
             return None
         logprobs = self.logprobs(delta.logprobs or []) if self.num_top is not None else None
-        return {"index": index, "delta": {"content": delta.text} if delta.text else {}, "logprobs": logprobs,
-                "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+        message = ({"content": content} if content else {}) | ({"tool_calls": calls} if calls else {})
+        return {"index": index, "delta": message, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": delta.stop_reason}
 
     def whole_choice(self, index: int, result: Result) -> dict:
         logprobs = self.logprobs(result.logprobs) if self.num_top is not None else None
-        return {"index": index, "message": {"role": "assistant", "content": result.text}, "logprobs": logprobs,
-                "finish_reason": result.finish_reason, "stop_reason": result.stop_reason}
+        message, finish_reason = {"role": "assistant", "content": result.text}, result.finish_reason
+        if self.readers is not None:
+            reader = self.readers[index]
+            content, _ = reader.feed(result.text)
+            content += reader.finish()[0]
+            calls = reader.calls if self.tool_calling.parallel else reader.calls[:1]
+            message = {"role": "assistant", "content": content or None}
+            if calls:
+                message["tool_calls"] = calls
+            finish_reason = self._finish_reason(reader, finish_reason)
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": result.stop_reason}
+
+    @staticmethod
+    def _finish_reason(reader, finish_reason: str | None) -> str | None:
+        """A generation that ended by itself after calls ends with "tool_calls", as OpenAI's; one cut at
+        max_tokens keeps "length" (its last call's arguments are cut too)."""
+        return "tool_calls" if reader.calls and finish_reason == "stop" else finish_reason
 
     def logprobs(self, entries: list[dict[int, float]]) -> dict:
         content = []
