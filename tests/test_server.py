@@ -490,6 +490,24 @@ def test_out_of_vocabulary_logit_bias_and_detokenize_are_400(http):
     assert_error(http.post("/detokenize", json={"tokens": [1, 5000]}), 400, "tokens")
 
 
+def test_unknown_fields_are_400_naming_them(http):
+    """A field the server does not know (or knows and does not honour) is refused, not ignored."""
+    error = assert_error(http.post("/v1/completions", json={"prompt": "hi", "best_of_n": 2}), 400, "best_of_n")
+    assert "unknown field" in error["message"]
+    error = assert_error(http.post("/v1/chat/completions", json={"messages": MESSAGES, "prediction": {}}), 400,
+                         "prediction")
+    assert "not supported" in error["message"]
+
+
+def test_auto_tool_choice_needs_the_server_flags(http):
+    """Tools default to tool_choice "auto", which needs --enable-auto-tool-choice (vLLM's rule)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for choice in ({}, {"tool_choice": "auto"}):
+        error = assert_error(http.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": tools, **choice}),
+                             400, "tool_choice")
+        assert "--enable-auto-tool-choice" in error["message"]
+
+
 def test_stream_options_without_stream_is_400(http):
     """stream_options without stream=true -> 400 on both endpoints."""
     options = {"include_usage": True}
