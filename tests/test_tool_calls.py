@@ -156,3 +156,38 @@ def test_named_reader_output_is_the_arguments():
     assert reader.feed(": 1}") == ("", [{"index": 0, "function": {"arguments": ": 1}"}}])
     assert reader.finish() == ("", [])
     assert calls_of(reader.calls) == [("f", {"a": 1})]
+
+
+# A template that prints what a tools-aware template reads: the tools, an assistant's calls with their
+# arguments as a mapping (HF's convention), a tool result's call id.
+TOOLS_TEMPLATE = (
+    "{% if tools %}TOOLS {{ tools | map(attribute='function.name') | join(',') }}|{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+    "{% for c in m.tool_calls or [] %} CALL {{ c.function.name }} city={{ c.function.arguments.city }}{% endfor %}"
+    "{% if m.tool_call_id %} FOR {{ m.tool_call_id }}{% endif %}|{% endfor %}")
+
+
+def test_tools_and_calls_reach_the_chat_template():
+    """Tools render through the template; an earlier call's JSON arguments reach it as a dict and a null
+    content as an empty string; a tool result keeps its call id."""
+    import asyncio
+
+    from server.prompts import chat_prompt_ids
+    from server.protocol import ChatMessage
+    from tiny_models import byte_tokenizer
+
+    class State:
+        tokenizer = byte_tokenizer()
+
+        async def run_blocking(self, fn, *args):
+            return fn(*args)
+
+    State.tokenizer.chat_template = TOOLS_TEMPLATE
+    messages = [ChatMessage(role="user", content="Weather?"),
+                ChatMessage(role="assistant", content=None, tool_calls=[
+                    {"id": "c1", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]),
+                ChatMessage(role="tool", tool_call_id="c1", content="sunny")]
+    tools = [{"type": "function", "function": {"name": "get_weather"}}, {"type": "function", "function": {"name": "add"}}]
+    ids = asyncio.run(chat_prompt_ids(State(), messages, False, False, tools))
+    assert State.tokenizer.decode(ids) == ("TOOLS get_weather,add|user: Weather?|"
+                                           "assistant:  CALL get_weather city=Paris|tool: sunny FOR c1|")
