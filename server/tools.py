@@ -113,7 +113,10 @@ def required_schema(body: ChatCompletionRequest) -> dict:
     items, defs = [], {}
     for i, tool in enumerate(body.tools):
         parameters = copy.deepcopy(tool.function.parameters) or {"type": "object", "properties": {}}
-        for name, schema in parameters.pop("$defs", {}).items():
+        shared = parameters.pop("$defs", {})
+        if not isinstance(shared, dict):
+            raise APIError(400, f"tools[{i}].function.parameters.$defs must be an object of schemas", "tools")
+        for name, schema in shared.items():
             if defs.setdefault(name, schema) != schema:
                 raise APIError(400, f"tools[{i}].function.parameters defines $defs/{name} differently from an "
                                     f"earlier tool; one request's tools must agree on shared definitions", "tools")
