@@ -23,7 +23,7 @@ from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.device_batch import Slots
 from jaxserve.errors import InvalidParameter
 from jaxserve.model_runner import ModelRunner
-from jaxserve.step_inputs import ScheduledSeq
+from jaxserve.step_inputs import ScheduledSeq, StepInputs
 from jaxserve.tensor_parallel import request_cpu_devices
 from jaxserve.page_pool import PagePool
 from jaxserve.request import Request, RequestStatus
@@ -251,7 +251,7 @@ class LLMEngine:
 
         kind, bucket, inputs = self.runner.prepare(seqs, on_row_error=row_failed)
         clock = self._timed("inputs", clock)
-        self._fill_token_bitmask(output, seqs, inputs.token_bitmask, failed)
+        self._fill_token_bitmask(output, inputs, failed)
         clock = self._timed("grammar", clock)
         sampled = self.runner.launch(kind, bucket, inputs)
         self._timed("launch", clock)
@@ -272,21 +272,27 @@ class LLMEngine:
         self._timed("update", clock)
         return updated
 
-    def _fill_token_bitmask(self, output: SchedulerOutput, seqs: list[ScheduledSeq], bitmask, failed) -> None:
-        """Each structured-output row that samples this step gets what its grammar allows next."""
-        rows = {row: request for row, ((request, _), seq) in enumerate(zip(output.scheduled, seqs))
-                if request.grammar is not None and seq.samples and request not in failed}
+    def _fill_token_bitmask(self, output: SchedulerOutput, inputs: StepInputs, failed: dict[Request, str]) -> None:
+        """Each structured-output row that samples this step gets what its grammar allows next, in its row
+        update (such rows are written every step they sample: `_scheduled_seq`)."""
+        updates = inputs.row_updates
+        update_of_slot = {} if updates is None else {int(slot): u for u, slot in enumerate(updates.slots)}
+        rows = {update_of_slot[int(inputs.row_slots[row])]: request
+                for row, (request, _) in enumerate(output.scheduled)
+                if request.grammar is not None and inputs.samples[row] and request not in failed}
         if not rows:
             return
+        bitmask = updates.sampling.token_bitmask  # [U, words]
         try:
-            self.grammars.fill_bitmasks([(request.grammar, row) for row, request in rows.items()], bitmask)
+            self.grammars.fill_bitmasks([(request.grammar, u) for u, request in rows.items()], bitmask)
         except Exception:  # noqa: BLE001 - find the rows at fault and fail them; the others go on
-            for row, request in rows.items():
+            for u, request in rows.items():
                 try:
-                    request.grammar.fill(bitmask, row)
+                    request.grammar.fill(bitmask, u)
                 except Exception:  # noqa: BLE001
                     logger.exception("request %s: its grammar's token mask failed", request.request_id)
                     failed[request] = "computing its grammar's token mask failed"
+                    bitmask[u] = -1
 
     def _advance_grammar(self, request: Request) -> None:
         """Moves a structured-output request's grammar past its new token; a grammar that is complete
@@ -323,6 +329,8 @@ class LLMEngine:
             suppress_ids = request.suppressed_token_ids
             slot, write_row, write_history = self.slots.place(
                 (request, request.num_admissions), (len(request.block_table), suppress_ids), self._holds_slot)
+            samples = start + num_new == request.num_tokens
+            write_row |= samples and request.grammar is not None  # its token bitmask changes every step
             # A request takes its slot when admitted, before any token of it is pending: its history is whole
             assert not (write_history and request.num_pending_tokens), request.request_id
             return ScheduledSeq(
@@ -335,7 +343,7 @@ class LLMEngine:
                 history=tokens if params.uses_penalties and write_history else None,
                 suppress_ids=suppress_ids,
                 prev_row=request.pending_row if num_pending > 0 else None,
-                samples=start + num_new == request.num_tokens,
+                samples=samples,
                 slot=slot,
                 write_row=write_row,
                 write_history=write_history,

@@ -87,7 +87,7 @@ class LLM:
         return [self._output(group, text) for group, (text, _) in zip(groups, encoded)]
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
         """Applies the chat template to one conversation or a list of them, then generates.
 

@@ -78,7 +78,7 @@ def _step(params, kv_cache, inputs: StepInputs, *, cfg: ModelConfig, q_tile: int
         params, cfg, inputs.token_ids, inputs.positions, kv_cache, inputs.md, inputs.logits_indices,
         q_tile=q_tile, kv_tile=kv_tile, attention_backend=attention_backend, decode_only=decode_only,
     )
-    return sample(logits, inputs.sampling, sampler_branches, inputs.token_bitmask), kv_cache
+    return sample(logits, inputs.sampling, sampler_branches), kv_cache
 
 
 def _batch_step(params, kv_cache, state: BatchState, inputs: StepInputs, *, step: Callable):

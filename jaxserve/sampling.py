@@ -133,6 +133,9 @@ class SamplingTensors(NamedTuple):
     history: jax.Array  # [S, H] int32: prompt then output token ids, -1 padded (penalty rows only)
     prompt_lens: jax.Array  # [S] int32, where the output part of `history` starts
     want_logprobs: jax.Array  # [S] bool
+    # [S, ceil(vocab / 32)] int32: the tokens the row's grammar allows this step (structured output), bit j
+    # of word w for token 32 w + j; -1 (all allowed) in unconstrained rows
+    token_bitmask: jax.Array
 
 
 class SamplerOutput(NamedTuple):
@@ -292,20 +295,18 @@ def no_logprobs(num_seqs: int, dtype):
             jnp.zeros((num_seqs, MAX_LOGPROBS), dtype))
 
 
-def sample(logits, t: SamplingTensors, branches: bool = True, token_bitmask=None) -> SamplerOutput:
+def sample(logits, t: SamplingTensors, branches: bool = True) -> SamplerOutput:
     """Samples one token per row from logits [S, vocab] f32.
 
     A batch of greedy rows with no penalties, no logit bias and no grammar (the common serving case) takes
     the argmax of the logits and nothing else; otherwise the penalties, the bias, the grammar's bitmask
-    (token_bitmask [S, ceil(vocab / 32)] int32, -1 in unconstrained rows) and the random draw each run
+    (`t.token_bitmask`) and the random draw each run
     only when a row asks for them, and so do logprobs, which are of the raw logits, as vLLM reports them
     (with a grammar's banned tokens at -inf, as vLLM applies the bitmask before its sampler).
     branches=False (a GPU): every part runs and selects replace the branches (`choose`); same tokens.
     """
     num_seqs = logits.shape[0]
-    if token_bitmask is None:
-        token_bitmask = jnp.full((num_seqs, -(-logits.shape[1] // 32)), -1, jnp.int32)
-    uses_grammar = jnp.any(token_bitmask != -1)
+    uses_grammar = jnp.any(t.token_bitmask != -1)
     uses_penalties = jnp.any((t.presence_penalty != 0) | (t.frequency_penalty != 0) | (t.repetition_penalty != 1))
     uses_bias = jnp.any(t.bias_values != 0)  # logit_bias, and min_tokens' suppressed stop tokens
     uses_random = jnp.any(t.temperature > 0)
@@ -317,7 +318,8 @@ def sample(logits, t: SamplingTensors, branches: bool = True, token_bitmask=None
             branches, uses_bias, lambda p: p.at[rows, t.bias_ids].add(t.bias_values, mode="drop"), lambda p: p,
             processed,
         )
-        processed = choose(branches, uses_grammar, apply_token_bitmask, lambda p, m: p, processed, token_bitmask)
+        processed = choose(branches, uses_grammar, apply_token_bitmask, lambda p, m: p, processed,
+                           t.token_bitmask)
         greedy = argmax(processed)
         return choose(
             branches, uses_random,
@@ -330,7 +332,7 @@ def sample(logits, t: SamplingTensors, branches: bool = True, token_bitmask=None
                     lambda: argmax(logits)).astype(jnp.int32)
 
     def logprobs():
-        masked = apply_token_bitmask(logits, token_bitmask)
+        masked = apply_token_bitmask(logits, t.token_bitmask)
         log_normalizer = jax.nn.logsumexp(masked, axis=-1)
         token_logprobs = jnp.take_along_axis(masked, tokens[:, None], axis=-1)[:, 0] - log_normalizer
         top_logprobs, top_ids = jax.lax.top_k(masked - log_normalizer[:, None], MAX_LOGPROBS)

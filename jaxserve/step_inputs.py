@@ -64,9 +64,6 @@ class StepInputs(NamedTuple):
     row_slots: np.ndarray | None = None  # [S] int32: each row's slot in the device batch
     samples: np.ndarray | None = None  # [S] bool: the row's sampled token is real
     row_updates: RowUpdates | None = None  # written before the step (not an input of its executable)
-    # [S, ceil(vocab / 32)] int32: the tokens each row's grammar allows (structured output), bit j of word
-    # w for token 32 w + j; -1 (all allowed) in unconstrained rows. Filled by the engine after `build`.
-    token_bitmask: np.ndarray | None = None
 
 
 class StepInputBuilder:
@@ -106,7 +103,6 @@ class StepInputBuilder:
             prev_rows=i32(num_tokens),
             row_slots=i32(num_seqs),
             samples=jax.ShapeDtypeStruct((num_seqs,), jnp.bool_),
-            token_bitmask=i32(num_seqs, self.bitmask_words),
         )
 
     def update_shapes(self, num_rows: int) -> RowUpdates:
@@ -129,6 +125,7 @@ class StepInputBuilder:
             bias_values=np.zeros((num_seqs, self.bias_width), np.float32),
             history=np.full((num_seqs, self.cfg.max_model_len), -1, np.int32),
             prompt_lens=np.zeros(num_seqs, np.int32), want_logprobs=np.zeros(num_seqs, np.bool_),
+            token_bitmask=np.full((num_seqs, self.bitmask_words), -1, np.int32),
         )
 
     def build(self, seqs: list[ScheduledSeq], num_tokens: int, num_seqs: int,
@@ -175,9 +172,7 @@ class StepInputBuilder:
         cu_q_lens[len(seqs) + 1:] = row
         logits_indices = np.maximum(cu_q_lens[1:] - 1, 0)
         md = AttentionMetadata(slot_mapping, cu_q_lens, kv_lens, None)
-        token_bitmask = np.full((num_seqs, self.bitmask_words), -1, np.int32)
-        return StepInputs(token_ids, positions, md, logits_indices, None, prev_rows, row_slots, samples, updates,
-                          token_bitmask)
+        return StepInputs(token_ids, positions, md, logits_indices, None, prev_rows, row_slots, samples, updates)
 
     def fill_update(self, updates: RowUpdates, u: int, s: ScheduledSeq, slot: int) -> None:
         """Update row u: sequence s's settings and block table, for `slot` (its history if it takes the slot)."""

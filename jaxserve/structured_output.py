@@ -33,7 +33,10 @@ class StructuredOutputsParams:
     """One constraint on a request's output (vLLM's `StructuredOutputsParams`): exactly one of
     json (a JSON schema, as a dict or its JSON text), regex, choice (the output is one of these strings),
     grammar (Lark, or llama.cpp's GBNF) or json_object (any JSON object).
-    disable_any_whitespace: JSON is written without free whitespace (`{"a": 1, "b": [2, 3]}`)."""
+    JSON is written on one line, with Python's separators (`{"a": 1, "b": [2, 3]}`): free whitespace lets
+    a small model fall into runs of newlines and indentation that end only at max_tokens, with JSON that
+    does not parse. whitespace_pattern: a regex for the whitespace allowed between JSON tokens instead
+    (vLLM's field). disable_any_whitespace (vLLM's) is accepted: it asks for what is already the default."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -41,6 +44,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
 
     def __post_init__(self):
         given = [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]
@@ -74,10 +78,9 @@ class StructuredOutputsParams:
         if self.grammar is not None:
             return grammar_from("grammar", self.grammar)
         schema = {"type": "object"} if self.json_object else _parse_schema(self.json)
-        # llguidance's JSON options: free whitespace between tokens unless disabled, as vLLM's default
-        options = {"whitespace_flexible": not self.disable_any_whitespace}
-        if self.disable_any_whitespace:
-            options |= {"key_separator": ": ", "item_separator": ", "}
+        options = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+        if self.whitespace_pattern is not None:
+            options = {"whitespace_flexible": True, "whitespace_pattern": self.whitespace_pattern}
         return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)
 
 

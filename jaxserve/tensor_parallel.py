@@ -132,8 +132,8 @@ class TensorParallel:
         logits, kv_cache = self.forward(params, kv_cache, inputs, **forward_kwargs)
         sample_on_each = functools.partial(vocab_sharded_sample, vocab_size=self.model_cfg.vocab_size,
                                            branches=sampler_branches)
-        sampled = jax.shard_map(sample_on_each, mesh=self.mesh, in_specs=(VOCAB_SPEC, P(), P()), out_specs=P(),
-                                check_vma=False)(logits, inputs.sampling, inputs.token_bitmask)
+        sampled = jax.shard_map(sample_on_each, mesh=self.mesh, in_specs=(VOCAB_SPEC, P()), out_specs=P(),
+                                check_vma=False)(logits, inputs.sampling)
         return sampled, kv_cache
 
     def jit(self, step):
@@ -186,8 +186,8 @@ def shardings(mesh: Mesh, specs):
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def vocab_sharded_sample(logits, t: SamplingTensors, token_bitmask=None, *, vocab_size: int,
-                         axis: str = MODEL_AXIS, branches: bool = True) -> SamplerOutput:
+def vocab_sharded_sample(logits, t: SamplingTensors, *, vocab_size: int, axis: str = MODEL_AXIS,
+                         branches: bool = True) -> SamplerOutput:
     """`sampling.sample` for logits [S, V / tp] split by vocabulary over `axis` (inside shard_map).
 
     A batch of plain greedy rows (the common case) takes each device's argmax and gathers only those;
@@ -198,9 +198,8 @@ def vocab_sharded_sample(logits, t: SamplingTensors, token_bitmask=None, *, voca
     offset = jax.lax.axis_index(axis) * local_vocab
     logits = jnp.where(offset + jnp.arange(local_vocab) < vocab_size, logits, -jnp.inf)
     plain = ~jnp.any((t.temperature > 0) | (t.presence_penalty != 0) | (t.frequency_penalty != 0)
-                     | (t.repetition_penalty != 1) | jnp.any(t.bias_values != 0, axis=-1) | t.want_logprobs)
-    if token_bitmask is not None:
-        plain &= ~jnp.any(token_bitmask != -1)
+                     | (t.repetition_penalty != 1) | jnp.any(t.bias_values != 0, axis=-1) | t.want_logprobs
+                     | jnp.any(t.token_bitmask != -1, axis=-1))
 
     def greedy():
         local = argmax(logits)  # [S]
@@ -212,6 +211,6 @@ def vocab_sharded_sample(logits, t: SamplingTensors, token_bitmask=None, *, voca
 
     def gathered():
         full = jax.lax.all_gather(logits, axis, axis=1, tiled=True)[:, :vocab_size]
-        return sample(full, t, branches, token_bitmask)
+        return sample(full, t, branches)
 
     return choose(branches, plain, greedy, gathered)  # both, selected, on a GPU (sampling.choose)
