@@ -140,7 +140,11 @@ class Grammars:
 
             if self._hf_tokenizer is None:
                 raise InvalidParameter(PARAM, "structured output needs the model's tokenizer, and this engine has none")
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size)
+            try:
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size)
+            except Exception as e:  # noqa: BLE001 - llguidance reads only Hugging Face fast tokenizers
+                raise InvalidParameter(PARAM, f"structured output needs a Hugging Face fast tokenizer, and this "
+                                              f"model's cannot be read as one ({type(e).__name__}: {e})") from None
         return self._tokenizer
 
     def compile(self, params: StructuredOutputsParams):

@@ -41,6 +41,8 @@ class _EngineCollector:
             "engine_step_seconds": ("Wall time inside engine steps (busy time)", stats["step_seconds"]),
             "engine_model_seconds": ("Of the step time, building inputs, running the model and fetching "
                                      "the sampled tokens", stats["model_seconds"]),
+            "engine_grammar_seconds": ("Of the step time, filling structured output's token masks",
+                                       stats["phase_seconds"]["grammar"]),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=value)

@@ -19,6 +19,7 @@ class BenchRequest:
     prompt: str
     prompt_len: int  # tokens, by the benchmark's tokenizer (the server's usage is preferred when sent)
     output_len: int  # max_tokens to ask for
+    json_schema: dict | None = None  # asked for as response_format (structured output), if set
 
 
 def _length_range(length: int, range_ratio: float) -> tuple[int, int]:

@@ -73,6 +73,8 @@ def format_summary(summary: dict, title: str = "serving benchmark") -> str:
     if "engine_busy_fraction" in summary:
         lines.append(f"| jaxserve engine busy: in steps / in the model | {summary['engine_busy_fraction']:.0%} / "
                      f"{summary['engine_model_fraction']:.0%} |")
+    if "grammar_ms_per_step" in summary:
+        lines.append(f"| jaxserve grammar token masks per step (ms) | {summary['grammar_ms_per_step']:.2f} |")
     if "first_error" in summary:
         lines.append(f"| first error | {summary['first_error'][:200]} |")
     return "\n".join(lines)

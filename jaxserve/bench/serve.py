@@ -6,12 +6,16 @@ by a Poisson process of --request-rate (inf: all at once). `--sweep 1 8 32` repe
 concurrency and adds one table and, with --plot, a PNG of throughput and latency vs concurrency.
 Against a jaxserve server it also reads the engine's busy time from /metrics around the timed part
 and reports which fraction of the run the engine spent in steps, and in the model itself.
+`--structured-output-ratio R` makes that share of the requests ask for JSON (`response_format` with a
+schema whose output outlasts max_tokens, so constrained and free requests generate as many tokens); a
+jaxserve server then also says how long its steps spent computing the grammars' token masks.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import math
@@ -31,6 +35,9 @@ def _payload(endpoint: str, model: str, request: BenchRequest, ignore_eos: bool)
             "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True  # vLLM's extension; jaxserve has it too
+    if request.json_schema is not None:
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "bench", "schema": request.json_schema}}
     if endpoint == "chat":
         return body | {"messages": [{"role": "user", "content": request.prompt}]}
     return body | {"prompt": request.prompt}
@@ -80,11 +87,28 @@ async def send_request(client, url: str, body: dict, request: BenchRequest) -> R
     return result
 
 
-ENGINE_SECONDS = ("jaxserve:engine_step_seconds_total", "jaxserve:engine_model_seconds_total")
+ENGINE_SECONDS = ("jaxserve:engine_step_seconds_total", "jaxserve:engine_model_seconds_total",
+                  "jaxserve:engine_grammar_seconds_total", "jaxserve:engine_steps_total")
 
 
-async def engine_seconds(client, base_url: str) -> tuple[float, float] | None:
-    """A jaxserve server's engine time so far (in steps, in the model), from /metrics; None elsewhere."""
+def constrained(requests: list[BenchRequest], ratio: float) -> list[BenchRequest]:
+    """`requests` with an even share `ratio` of them asking for JSON: an array of output_len integers,
+    more tokens than max_tokens lets them write, so they run as long as the free ones."""
+    if not 0 <= ratio <= 1:
+        raise ValueError(f"--structured-output-ratio must be in [0, 1], got {ratio}")
+    out = []
+    for i, request in enumerate(requests):
+        if int((i + 1) * ratio) > int(i * ratio):
+            schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
+                      "minItems": request.output_len, "maxItems": request.output_len}
+            request = dataclasses.replace(request, json_schema=schema)
+        out.append(request)
+    return out
+
+
+async def engine_seconds(client, base_url: str) -> tuple[float, ...] | None:
+    """A jaxserve server's engine time so far (in steps, in the model, in grammar masks) and its steps,
+    from /metrics; None elsewhere."""
     import httpx
 
     try:
@@ -98,7 +122,9 @@ async def engine_seconds(client, base_url: str) -> tuple[float, float] | None:
         name, _, value = line.partition(" ")
         if name in ENGINE_SECONDS:
             values[name] = float(value)
-    return tuple(values[name] for name in ENGINE_SECONDS) if len(values) == len(ENGINE_SECONDS) else None
+    if not all(name in values for name in ENGINE_SECONDS[:2]):
+        return None
+    return tuple(values.get(name, math.nan) for name in ENGINE_SECONDS)
 
 
 async def run_once(base_url: str, endpoint: str, model: str, requests: list[BenchRequest], *,
@@ -148,6 +174,9 @@ async def run_once(base_url: str, endpoint: str, model: str, requests: list[Benc
     if busy_before and busy_after:
         engine = {"engine_busy_fraction": (busy_after[0] - busy_before[0]) / duration,
                   "engine_model_fraction": (busy_after[1] - busy_before[1]) / duration}
+        steps = busy_after[3] - busy_before[3]
+        if steps > 0 and math.isfinite(busy_after[2]):
+            engine["grammar_ms_per_step"] = 1000 * (busy_after[2] - busy_before[2]) / steps
     return results, duration, engine
 
 
@@ -172,9 +201,11 @@ def build_requests(args: argparse.Namespace) -> tuple[list[BenchRequest], list[B
     tokenizer = load_tokenizer(args.tokenizer)
     if args.dataset_path:
         requests = jsonl_requests(args.dataset_path, tokenizer, args.num_prompts, args.output_len)
+        requests = constrained(requests, args.structured_output_ratio)
         return requests, [requests[i % len(requests)] for i in range(args.num_warmups)]
     requests = random_requests(tokenizer, args.num_prompts + args.num_warmups, args.input_len, args.output_len,
                                args.range_ratio, args.seed)
+    requests = constrained(requests, args.structured_output_ratio)
     return requests[:args.num_prompts], requests[args.num_prompts:]
 
 
@@ -203,7 +234,8 @@ def run(args: argparse.Namespace) -> dict:
         print("\n" + format_sweep({args.label: summaries}))
     report = {"label": args.label, "base_url": base_url, "model": model, "endpoint": args.endpoint,
               "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-              "range_ratio": args.range_ratio, "dataset_path": args.dataset_path, "runs": summaries}
+              "range_ratio": args.range_ratio, "dataset_path": args.dataset_path,
+              "structured_output_ratio": args.structured_output_ratio, "runs": summaries}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
@@ -234,6 +266,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-warmups", type=int, default=0,
                         help="untimed requests sent first (random dataset: prompts other than the timed ones)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --output-len tokens")
+    parser.add_argument("--structured-output-ratio", type=float, default=0.0,
+                        help="share of the requests that ask for JSON with a schema (response_format)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--label", default="server", help="the engine's name in tables and plots")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
