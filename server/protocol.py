@@ -26,8 +26,7 @@ REFUSED = {
     "functions": "use tools", "function_call": "use tool_choice", "audio": "jaxserve outputs text only",
     "prediction": "predicted outputs are not supported", "web_search_options": "jaxserve has no web search",
     "reasoning_effort": "the models jaxserve serves take no reasoning effort", "verbosity": "not supported",
-    "moderation": "jaxserve does not moderate", "guided_whitespace_pattern": "use structured_outputs with "
-    "disable_any_whitespace", "structural_tag": "not supported", "chat_template_kwargs": "not supported",
+    "moderation": "jaxserve does not moderate", "structural_tag": "not supported", "chat_template_kwargs": "not supported",
     "use_beam_search": "beam search is not supported", "prompt_logprobs": "prompt logprobs are not supported",
 }
 
@@ -62,6 +61,7 @@ class StructuredOutputs(Strict):
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
 
 
 class SamplingFields(Strict):
@@ -105,6 +105,7 @@ class SamplingFields(Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # only llguidance's names: every grammar is compiled with it
+    guided_whitespace_pattern: str | None = None
 
 
 class CompletionRequest(SamplingFields):

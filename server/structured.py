@@ -40,15 +40,22 @@ def requested_constraint(body: SamplingFields) -> Constraint | None:
                             f"with llguidance (give one of {', '.join(LLGUIDANCE_BACKENDS)} or leave it out)",
                        "guided_decoding_backend")
     if not given:
+        if body.guided_whitespace_pattern is not None:
+            raise APIError(400, "guided_whitespace_pattern applies to JSON output; give a schema too",
+                           "guided_whitespace_pattern")
         return None
     if len(given) > 1:
         raise APIError(400, f"give one of response_format, structured_outputs and guided_*; got {' and '.join(given)}",
                        given[1])
     field = given[0]
     try:
-        return Constraint(_params(body, field), field)
+        params = _params(body, field)
     except InvalidParameter as e:
         raise APIError(400, _renamed(str(e), field), field) from None
+    if params.whitespace_pattern is not None and params.kind not in ("json", "json_object"):
+        where = "guided_whitespace_pattern" if body.guided_whitespace_pattern is not None else field
+        raise APIError(400, f"a whitespace pattern applies to JSON output, not to a {params.kind}", where)
+    return Constraint(params, field)
 
 
 def _asks(body: SamplingFields, name: str) -> bool:
@@ -61,17 +68,19 @@ def _asks(body: SamplingFields, name: str) -> bool:
 def _params(body: SamplingFields, field: str) -> StructuredOutputsParams:
     if field == "response_format":
         fmt = body.response_format
+        whitespace = body.guided_whitespace_pattern
         if fmt.type == "json_object":
-            return StructuredOutputsParams(json_object=True)
+            return StructuredOutputsParams(json_object=True, whitespace_pattern=whitespace)
         if fmt.json_schema is None:
             raise InvalidParameter(field, "response_format of type json_schema needs a json_schema object")
-        return StructuredOutputsParams(json=fmt.json_schema.schema_)
+        return StructuredOutputsParams(json=fmt.json_schema.schema_, whitespace_pattern=whitespace)
     if field == "structured_outputs":
         so = body.structured_outputs
         return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
-                                       json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace)
+                                       json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace,
+                                       whitespace_pattern=so.whitespace_pattern)
     kind = field.removeprefix("guided_")
-    return StructuredOutputsParams(**{kind: getattr(body, field)})
+    return StructuredOutputsParams(**{kind: getattr(body, field)}, whitespace_pattern=body.guided_whitespace_pattern)
 
 
 def _renamed(message: str, field: str) -> str:

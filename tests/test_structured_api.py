@@ -31,7 +31,8 @@ WEATHER = {"type": "function", "function": {
                    "required": ["city", "unit"], "additionalProperties": False}}}
 ADD = {"type": "function", "function": {
     "name": "add", "description": "Adds two integers", "strict": True,
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": -999, "maximum": 999},
+                                                    "b": {"type": "integer", "minimum": -999, "maximum": 999}},
                    "required": ["a", "b"], "additionalProperties": False}}}
 TOOLS = [WEATHER, ADD]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
@@ -41,7 +42,7 @@ ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris to
 class City(BaseModel):
     name: str = Field(max_length=30)
     country: str = Field(max_length=30)
-    population: int
+    population: int = Field(ge=0, le=100_000_000)  # bounded: an integer's digits could run to max_tokens
 
 
 @pytest.fixture(scope="module")
@@ -231,6 +232,7 @@ BAD_OBJECT = {"type": "object", "properties": {"a": {"type": "nonsense"}}}
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"json_object": True}}, "structured_outputs",
      ["response_format"]),
     ({"guided_decoding_backend": "xgrammar", "guided_regex": "a"}, "guided_decoding_backend", ["llguidance"]),
+    ({"guided_whitespace_pattern": " ", "guided_regex": "a"}, "guided_whitespace_pattern", ["JSON"]),
     ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": BAD_OBJECT}}],
       "tool_choice": "required"}, "tools", ["tools[1].function.parameters", "nonsense"]),
     ({"tools": [WEATHER, WEATHER]}, "tools", ["get_weather", "tools[1]"]),
