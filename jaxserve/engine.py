@@ -361,11 +361,17 @@ class LLMEngine:
         return request.status is RequestStatus.RUNNING and request.num_admissions == admission
 
     def _detokenize(self, request: Request) -> None:
-        """Decodes the request's newest token; a stop string finishes the request, a failure fails it."""
+        """Decodes the request's newest token; a stop string finishes the request, a failure fails it.
+        A stop token (EOS, stop_token_ids) adds no text unless include_stop_str_in_output, as in vLLM
+        (with skip_special_tokens=False its text would otherwise end the output)."""
         if request.detokenizer is None or request.status is RequestStatus.FINISHED_ERROR:
             return
+        new = request.output_token_ids[-1:]
+        if (request.status is RequestStatus.FINISHED_STOPPED and isinstance(request.stop_reason, int)
+                and not request.sampling_params.include_stop_str_in_output):
+            new = []
         try:
-            stop = request.detokenizer.add(request.output_token_ids[-1:])
+            stop = request.detokenizer.add(new)
         except Exception:  # noqa: BLE001 - model output can be any token sequence
             logger.exception("request %s: detokenizing its output failed", request.request_id)
             self.scheduler.fail(request, "detokenizing its output failed")

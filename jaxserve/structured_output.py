@@ -159,10 +159,9 @@ class Grammars:
 
         try:
             grammar = params.llguidance_grammar()
-        except (ValueError, TypeError) as e:
-            if isinstance(e, InvalidParameter):
-                raise
-  # noqa: BLE001 - llguidance's own message says what it could not read
+        except InvalidParameter:
+            raise
+        except (ValueError, TypeError) as e:  # llguidance's own message says what it could not read
             raise InvalidParameter(PARAM, f"invalid {_NAMES[params.kind]}: {e}") from None
         error = LLMatcher.validate_grammar(grammar, tokenizer)
         if error:

@@ -107,6 +107,13 @@ def test_generation_stops_at_eos_and_max_model_len(llm):
     out = llm.generate(["abc"], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_id]),
                        use_tqdm=False)[0]
     assert out.outputs[0].token_ids == [stop_id] and out.outputs[0].finish_reason == "stop"
+    # A stop token's text is left out unless asked for, as in vLLM
+    x = llm.tokenizer.encode("x", add_special_tokens=False)[-1]
+    forced = dict(temperature=0, max_tokens=5, stop_token_ids=[x], logit_bias={x: 100.0})
+    out = llm.generate(["abc"], SamplingParams(**forced), use_tqdm=False)[0].outputs[0]
+    kept = llm.generate(["abc"], SamplingParams(**forced, include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == kept.token_ids == [x] and (out.text, kept.text) == ("", llm.tokenizer.decode([x]))
+    assert kept.text.strip() == "x"
 
 
 def test_seeded_sampling_is_reproducible(llm):
