@@ -23,6 +23,10 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20  # prompts of a long context, as tex
 
 
 def serve(args: argparse.Namespace) -> None:
+    if args.data_parallel_size > 1:  # replicas of this command behind a router (jaxserve/data_parallel.py)
+        from jaxserve.data_parallel import serve_data_parallel
+
+        return serve_data_parallel(args)
     import uvicorn
 
     from jaxserve.engine import LLMEngine
@@ -112,6 +116,12 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                         help="the format the model writes tool calls in (vLLM's names)")
     parser.add_argument("--no-chat-page", dest="chat_page", action="store_false",
                         help="do not serve the chat page on / (the API is unchanged)")
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="serve N replicas of the model, each on its own cores (or -tp GPUs), behind "
+                             "sglang-router on --port (the 'router' extra)")
+    parser.add_argument("--router-policy", default="cache_aware",
+                        choices=["cache_aware", "round_robin", "power_of_two", "random"],
+                        help="how the router spreads requests over the replicas (with --data-parallel-size)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM/SIGINT, seconds to let in-flight requests finish before ending them "
                              "with an error")
