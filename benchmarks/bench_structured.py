@@ -4,7 +4,8 @@ to a JSON schema, against one jaxserve server, in alternating rounds.
     python benchmarks/bench_structured.py [--ratio 0.5] [--concurrency 8] [--rounds 3]
 
 Each round runs `jaxserve bench serve --structured-output-ratio 0` and then `--structured-output-ratio
-RATIO` with the same prompts (random, 256 in / 128 out, --ignore-eos). The constrained requests ask for
+RATIO`, each with prompts of its own (random, 256 in / 128 out, --ignore-eos; the same server's prefix
+cache would serve repeated prompts). The constrained requests ask for
 an array of integers longer than max_tokens lets them write, so every request generates 128 tokens and
 the two runs' output throughputs compare like for like. The server reports the grammar's share of its
 steps (`engine_grammar_seconds`): the host time spent filling the token masks, per step.
@@ -60,8 +61,9 @@ def main() -> None:
         startup = stack.enter_context(server("jaxserve", cmd, args.port, raw / "structured-server.log"))
         for round_no in range(args.rounds):
             for concurrency in args.concurrency:
-                seed = args.seed + 1000 * (round_no + 1) + concurrency
-                for ratio in ratios:
+                for i, ratio in enumerate(ratios):
+                    # Prompts of their own for every run: one server's prefix cache would serve a repeat
+                    seed = args.seed + 1000 * (round_no + 1) + 100 * i + concurrency
                     summary = bench(args.port, ratio, concurrency, args.prompts_per_concurrency * concurrency, seed,
                                     args, raw / f"structured-{ratio}-c{concurrency}-r{round_no}.json")
                     runs[ratio][concurrency].append(summary)
