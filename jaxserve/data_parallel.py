@@ -51,10 +51,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def replica_flags(args: argparse.Namespace) -> list[str]:
-    """The `serve` flags of `args` that differ from their defaults, as a command line for one replica."""
+def replica_flags(args: argparse.Namespace, add_serve_flags) -> list[str]:
+    """The `serve` flags of `args` that differ from their defaults, as a command line for one replica.
+    `add_serve_flags`: server/main.py's, passed in so that this module does not import the server."""
     from jaxserve.engine_config import add_engine_flags
-    from server.main import add_serve_flags
 
     parser = argparse.ArgumentParser(add_help=False)
     add_engine_flags(parser, positional_model=True)
@@ -153,9 +153,15 @@ class Router:
         self.url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
         self.cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", args.host, "--port", str(args.port),
                     "--worker-urls", *worker_urls, "--policy", args.router_policy,
+                    # The router balances by in-flight requests only past this gap (64 by default): more
+                    # than a replica's batch here, so one replica could queue while the other idles.
+                    "--balance-abs-threshold", "4",
                     # Quick health checks take out a replica that hangs; one that exits, the launcher takes out.
                     "--health-check-interval-secs", "2", "--health-failure-threshold", "2",
                     "--health-success-threshold", "1", "--health-check-timeout-secs", "5",
+                    # Its circuit breaker, opened by the requests that failed on a dead replica, would keep
+                    # the restarted one (same URL) out for a minute; exits and hangs are handled as above.
+                    "--disable-circuit-breaker",
                     "--shutdown-grace-period-secs", str(int(args.shutdown_timeout) + 5),
                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn"]
         api_key = args.api_key or os.environ.get("JAXSERVE_API_KEY")
@@ -187,13 +193,13 @@ def check_router_installed() -> None:
         raise ValueError("--data-parallel-size needs sglang-router: pip install 'jaxserve[router]'")
 
 
-def serve_data_parallel(args: argparse.Namespace) -> None:
+def serve_data_parallel(args: argparse.Namespace, add_serve_flags) -> None:
     """Starts the replicas, then the router in front of them; watches both until a signal stops them."""
     check_router_installed()
     if args.nnodes > 1:
         raise ValueError("--data-parallel-size runs replicas on this host; for multi-host groups start each "
                          "group's leader yourself and point a router at them (docs/deploy.md)")
-    flags = replica_flags(args)
+    flags = replica_flags(args, add_serve_flags)
     replicas = [Replica(rank, flags, env, cpus) for rank, (env, cpus) in
                 enumerate(replica_placements(args.data_parallel_size, args.tensor_parallel_size))]
     router = Router(args, [r.url for r in replicas])

@@ -26,7 +26,7 @@ def serve(args: argparse.Namespace) -> None:
     if args.data_parallel_size > 1:  # replicas of this command behind a router (jaxserve/data_parallel.py)
         from jaxserve.data_parallel import serve_data_parallel
 
-        return serve_data_parallel(args)
+        return serve_data_parallel(args, add_serve_flags)
     import uvicorn
 
     from jaxserve.engine import LLMEngine

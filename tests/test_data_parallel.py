@@ -119,9 +119,8 @@ def test_openai_client_through_the_router(launcher):
                                                  stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == 6
-    _burst(launcher.url, "spread")
-    for _, url in replicas.values():
-        assert metric(metric_samples(url), "jaxserve:prompt_tokens_total") > 0, f"{url} got no request"
+    assert _served_by_all(launcher.url, [url for _, url in replicas.values()], "spread"), \
+        f"a replica got no request:\n{launcher.text()[-3000:]}"
     cores = [Path(f"/proc/{pid}/status").read_text().split("Cpus_allowed_list:")[1].split()[0]
              for pid, _ in replicas.values()]
     if len(os.sched_getaffinity(0)) >= 2:
@@ -139,26 +138,35 @@ def test_router_fields_accepted_only_at_values_that_change_nothing(launcher):
     assert info["served_model_name"] == "tiny"
 
 
-def _burst(url: str, tag: str, num_requests: int = 8) -> None:
-    """Concurrent requests with prompts no replica has seen: sglang-router 0.3.2's cache-aware policy
-    sends a prompt without a cached prefix to the least loaded replica (the first on a tie), so only
-    concurrent ones reach every replica."""
-    def post(i):
-        httpx.post(url + "/v1/completions", headers=AUTH, timeout=60, json={
-            "model": "tiny", "prompt": f"{tag} {i} {i * 7919}", "max_tokens": 40, "ignore_eos": True}).raise_for_status()
-    threads = [threading.Thread(target=post, args=(i,)) for i in range(num_requests)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+def _served_by_all(router_url: str, replica_urls: list[str], tag: str, max_bursts: int = 6) -> bool:
+    """Bursts of 8 concurrent requests (each of 8 sequences, a replica's whole batch, so that they overlap)
+    until every replica has prompt tokens. sglang-router 0.3.2's cache-aware policy sends most prompts
+    without a cached prefix to one replica until the in-flight gap passes the launcher's threshold."""
+    statuses = []
+
+    def post(i: int):
+        statuses.append(httpx.post(router_url + "/v1/completions", headers=AUTH, timeout=60, json={
+            "model": "tiny", "prompt": f"{tag} {i} {i * 7919}", "max_tokens": 50, "n": 8,
+            "ignore_eos": True}).status_code)
+    for burst in range(max_bursts):
+        threads = [threading.Thread(target=post, args=(burst * 8 + i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert statuses == [200] * len(statuses), statuses
+        if all(metric(metric_samples(url), "jaxserve:prompt_tokens_total") > 0 for url in replica_urls):
+            return True
+    return False
 
 
 def _stream(url: str, prompt: str, max_tokens: int, started: threading.Barrier, results: dict, key) -> None:
-    """One streamed completion; results[key] = completion tokens, or the error that ended it."""
+    """One streamed completion of 8 sequences (a replica's whole batch: the streams queue, so they outlast
+    the tiny model's speed); results[key] = completion tokens, or the error that ended it."""
     waited = False
     try:
         with httpx.stream("POST", url + "/v1/completions", headers=AUTH, timeout=60, json={
-                "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "n": 8, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}) as response:
             response.raise_for_status()
             usage = None
@@ -179,24 +187,31 @@ def _stream(url: str, prompt: str, max_tokens: int, started: threading.Barrier, 
 
 
 def test_killed_replica_fails_its_streams_only_and_rejoins(launcher):
-    """SIGKILL one replica while 8 streams run: its streams end in an error, the others finish; once the
+    """SIGKILL a replica while 8 streams run or queue: its streams end in an error, the others finish; once the
     router has dropped it every request succeeds; the restarted replica is back in rotation."""
     replicas = launcher.replicas()
-    victim_pid, victim_url = replicas[1]
-    results, started = {}, threading.Barrier(9)
+    results, started = {}, threading.Barrier(8)
     threads = [threading.Thread(target=_stream, args=(launcher.url, f"stream {i} {i * 104729}", 100, started,
                                                       results, i)) for i in range(8)]
     for t in threads:
         t.start()
-    started.wait()  # every stream has its first token
+    deadline = time.monotonic() + 30
+    while True:  # kill a replica while it runs one of the streams and others wait
+        running = {rank: metric(metric_samples(url), "jaxserve:num_requests_running") for rank, (_, url) in
+                   replicas.items()}
+        victim = max(running, key=running.get)
+        if running[victim] >= 1 and len(results) <= 4:
+            break
+        assert time.monotonic() < deadline and len(results) < 4, f"the streams ended before a kill: {results}"
+    victim_pid, victim_url = replicas[victim]
     os.kill(victim_pid, signal.SIGKILL)
     for t in threads:
         t.join()
     failed = [r for r in results.values() if isinstance(r, Exception)]
     assert failed, f"no stream was on the killed replica: {results}"
-    assert all(r == 100 for r in results.values() if not isinstance(r, Exception)), results
+    assert all(r == 8 * 100 for r in results.values() if not isinstance(r, Exception)), results
 
-    launcher.wait_for(r"replica 1 \(pid \d+\) exited", timeout_s=10)
+    launcher.wait_for(rf"replica {victim} \(pid \d+\) exited", timeout_s=10)
     deadline = time.monotonic() + 10
     while any(w["url"] == victim_url for w in
               httpx.get(launcher.url + "/workers", headers=AUTH, timeout=10).json()["workers"]):
@@ -207,11 +222,11 @@ def test_killed_replica_fails_its_streams_only_and_rejoins(launcher):
                               json={"model": "tiny", "prompt": f"after {i} {i * 31}", "max_tokens": 4})
         assert response.status_code == 200, response.text
 
-    launcher.wait_for(r"replica 1 is healthy again", timeout_s=120)
-    new_pid, url = launcher.replicas()[1]
+    launcher.wait_for(rf"replica {victim} is healthy again", timeout_s=120)
+    new_pid, url = launcher.replicas()[victim]
     assert new_pid != victim_pid and url == victim_url
-    _burst(launcher.url, "back")
-    assert metric(metric_samples(url), "jaxserve:prompt_tokens_total") > 0, "the restarted replica gets no requests"
+    assert _served_by_all(launcher.url, [url], "back"), \
+        f"the restarted replica gets no requests:\n{launcher.text()[-3000:]}"
 
 
 def test_sigterm_stops_router_and_replicas(launcher):
@@ -245,12 +260,13 @@ def test_split_cpus_gives_disjoint_contiguous_shares():
 def test_replica_flags_round_trip_without_the_launcher_flags():
     """A replica gets every serve flag given, none of the group's (port, host, -dp, router policy)."""
     from jaxserve.cli import build_parser
+    from server.main import add_serve_flags
 
     argv = ["serve", "model_dir", "--max-num-seqs", "4", "--no-enable-prefix-caching", "--api-key", "k",
             "--no-chat-page", "-tp", "2", "--port", "9", "--host", "0.0.0.0", "-dp", "3", "--router-policy",
             "round_robin"]
     args = build_parser().parse_args(argv)
-    flags = replica_flags(args)
+    flags = replica_flags(args, add_serve_flags)
     assert not {"--port", "--host", "-dp", "--data-parallel-size", "--router-policy"} & set(flags), flags
     again = build_parser().parse_args(["serve", *flags])
     for name in ("model", "max_num_seqs", "enable_prefix_caching", "api_key", "chat_page", "tensor_parallel_size"):
