@@ -1,8 +1,8 @@
 """`jaxserve serve --data-parallel-size N`: N replicas of the server behind sglang-router, one command.
 
 Each replica is a plain `jaxserve serve` process on a private 127.0.0.1 port with its own share of
-the machine: on a CPU a contiguous share of the cores this process may run on (its affinity, which
-XLA's thread pools size themselves by), on GPUs its own `-tp` devices through CUDA_VISIBLE_DEVICES.
+the machine: on a CPU a contiguous share of the cores this process may run on (its affinity, set before
+the child starts, which XLA's CPU thread pools should follow), on GPUs its own `-tp` devices through CUDA_VISIBLE_DEVICES.
 The router (the `router` extra, `sglang-router`) listens on the public --host/--port and spreads
 requests with a cache-aware policy by default. This module owns starting, watching and stopping
 them; what a replica serves to the router (/health, /server_info, the router's extra request fields)
