@@ -10,7 +10,6 @@ these routes that runs in the browser.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -36,13 +35,6 @@ CHAT_PAGE_HEADERS = {
                                "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
     "Cache-Control": "no-cache",
 }
-# SGLang's fields that sglang-router (and vllm-router) write into every request they forward, with the
-# values that change nothing here (jaxserve has no reasoning parser and returns no hidden states);
-# any other value stays in the body and is refused as an unknown field.
-ROUTER_FIELDS = {"no_stop_trim": (False,), "return_hidden_states": (False,), "separate_reasoning": (True, False),
-                 "stream_reasoning": (True, False), "include_reasoning": (True, False)}
-
-
 def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_body_bytes: int,
                api_key: str | None = None, max_queued_requests: int = 256, chat_page: bool = True,
                tool_call_parser: str | None = None) -> FastAPI:
@@ -56,7 +48,6 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_b
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    app.add_middleware(RouterFieldsMiddleware)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)  # outermost: before auth
 
     if chat_page:
@@ -162,52 +153,3 @@ async def _generate(state: ServerState, raw: Request, body, prompts: list[list[i
         submission.close()
         raise
     return whole_response(fmt, state.model_name, results, prompts)
-
-
-class RouterFieldsMiddleware:
-    """Drops `ROUTER_FIELDS` holding a value that changes nothing from generation bodies, so requests a
-    router forwards pass the models' strict fields. Plain ASGI: the body is read when the route reads
-    it (the size limit outside still applies) and a later disconnect still reaches the route."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in (
-                "/v1/completions", "/v1/chat/completions"):
-            return await self.app(scope, receive, send)
-        body_read = False
-
-        async def receive_body():
-            nonlocal body_read
-            if body_read:
-                return await receive()
-            chunks = []
-            while True:
-                event = await receive()
-                if event["type"] != "http.request":
-                    return event
-                chunks.append(event.get("body", b""))
-                if not event.get("more_body", False):
-                    break
-            body_read = True
-            return {"type": "http.request", "body": _without_router_fields(b"".join(chunks)), "more_body": False}
-
-        await self.app(scope, receive_body, send)
-
-
-def _without_router_fields(body: bytes) -> bytes:
-    """The body less ROUTER_FIELDS at values that change nothing; unchanged bytes when none is there."""
-    try:
-        fields = json.loads(body)
-    except ValueError:
-        return body  # the route names the JSON error
-    if not isinstance(fields, dict):
-        return body
-    dropped = [k for k, allowed in ROUTER_FIELDS.items() if k in fields and any(
-        fields[k] is v for v in allowed)]
-    if not dropped:
-        return body
-    for k in dropped:
-        del fields[k]
-    return json.dumps(fields).encode()

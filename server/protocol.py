@@ -88,6 +88,13 @@ class SamplingFields(Strict):
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: str | None = None
+    # SGLang's fields, which sglang-router (and vllm-router) write into every body they forward: accepted
+    # at the values that change nothing here (no reasoning parser, no hidden states), refused at others
+    no_stop_trim: Literal[False] | None = None
+    return_hidden_states: Literal[False] | None = None
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+    include_reasoning: bool | None = None
     # vLLM's extra sampling parameters
     top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
     min_p: float | None = Field(None, ge=0, le=1)
