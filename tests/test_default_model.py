@@ -76,7 +76,7 @@ def test_greedy_matches_hf_for_chat_and_plain_prompts(llm, prompts, hf_tokens):
     assert "Paris" in outs[4].outputs[0].text
 
 
-@pytest.mark.parametrize("tp", [2, 3])
+@pytest.mark.parametrize("tp", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3: an uneven split, -m slow
 def test_split_over_devices_greedy_matches_hf(tp, llm, prompts, hf_tokens):
     """Split over 2 devices (a zero KV head pads SmolLM2's 3) or 3 (one KV head each), the same tokens,
     with about 1/tp of the weights on each device (a zero KV head and its query group pad tp=2's)."""
