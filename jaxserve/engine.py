@@ -275,13 +275,13 @@ class LLMEngine:
     def _fill_token_bitmask(self, output: SchedulerOutput, inputs: StepInputs, failed: dict[Request, str]) -> None:
         """Each structured-output row that samples this step gets what its grammar allows next, in its row
         update (such rows are written every step they sample: `_scheduled_seq`)."""
-        updates = inputs.row_updates
-        update_of_slot = {} if updates is None else {int(slot): u for u, slot in enumerate(updates.slots)}
-        rows = {update_of_slot[int(inputs.row_slots[row])]: request
-                for row, (request, _) in enumerate(output.scheduled)
-                if request.grammar is not None and inputs.samples[row] and request not in failed}
-        if not rows:
+        constrained = [(row, request) for row, (request, _) in enumerate(output.scheduled)
+                       if request.grammar is not None and inputs.samples[row] and request not in failed]
+        if not constrained:  # the common step: no per-row work at all
             return
+        updates = inputs.row_updates
+        update_of_slot = {int(slot): u for u, slot in enumerate(updates.slots)}
+        rows = {update_of_slot[int(inputs.row_slots[row])]: request for row, request in constrained}
         bitmask = updates.sampling.token_bitmask  # [U, words]
         try:
             self.grammars.fill_bitmasks([(request.grammar, u) for u, request in rows.items()], bitmask)
