@@ -29,6 +29,7 @@ from jaxserve.page_pool import PagePool
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling import SamplerOutput, SamplingParams
 from jaxserve.scheduler import Scheduler, SchedulerOutput
+from jaxserve.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE, SpecDecodeStats, accepted_run, make_proposer
 from jaxserve.structured_output import Grammars
 from jaxserve.weights import LoadedModel, load_model
 
@@ -38,9 +39,10 @@ _PLACEHOLDER = 0  # the host's stand-in for a token still on the device (the ste
 _INERT_PARAMS = SamplingParams(temperature=0.0)  # the row of a request that failed before its step
 
 
-def resolve_async_scheduling(setting: bool | None, platform: str) -> bool:
-    """Unset: on where the device runs apart from the host (a GPU); a CPU's host work and XLA share the cores."""
-    return setting if setting is not None else platform == "gpu"
+def resolve_async_scheduling(setting: bool | None, platform: str, speculative: bool = False) -> bool:
+    """Unset: on where the device runs apart from the host (a GPU); a CPU's host work and XLA share the cores.
+    Speculative decoding proposes from the tokens read: it runs synchronously."""
+    return setting if setting is not None else platform == "gpu" and not speculative
 
 
 @dataclasses.dataclass
@@ -50,6 +52,9 @@ class _LaunchedStep:
     output: SchedulerOutput
     sampled: SamplerOutput  # on the device
     with_logprobs: bool
+    # Per scheduled request, its rows (one, or its newest token's and its drafts') and its draft tokens
+    rows: list[list[int]]
+    drafts: list[list[int]]
 
     @property
     def has_grammar(self) -> bool:
@@ -73,7 +78,13 @@ class LLMEngine:
         self._ids = itertools.count()
         self.last_schedule = None  # the most recent SchedulerOutput, for tests and debugging
         # Asynchronous scheduling: step N+1 is launched before step N's tokens are read (`_step`)
-        self.async_scheduling = resolve_async_scheduling(cfg.async_scheduling, self.runner.platform)
+        self.async_scheduling = resolve_async_scheduling(cfg.async_scheduling, self.runner.platform,
+                                                         cfg.speculative_config is not None)
+        # Speculative decoding (speculative.py): drafts proposed for decode rows, verified in the step
+        spec = cfg.speculative_config
+        self.proposer = make_proposer(spec, self.model_cfg, cfg) if spec else None
+        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec else None
+        self.spec_max_batch = (spec.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE) if spec else 0
         self._launched: _LaunchedStep | None = None  # launched, tokens not read yet (async scheduling)
         # Each running request's slot in the device batch (model_runner, device_batch.py), keyed by its
         # admission: a preempted request takes a fresh slot when it comes back
@@ -126,6 +137,8 @@ class LLMEngine:
 
     def warmup(self, show_progress: bool = True) -> dict:
         summary = self.runner.warmup(show_progress)
+        if hasattr(self.proposer, "warmup"):  # a draft model's buckets
+            summary["num_draft_executables"] = self.proposer.warmup(show_progress)
         self._compilations_after_warmup = num_compilations()
         return summary
 
@@ -241,41 +254,92 @@ class LLMEngine:
             return None, {}
         self.num_steps += 1
         failed: dict[Request, str] = {}
-        seqs = [self._scheduled_seq(request, n, failed) for request, n in output.scheduled]
+        drafts = self._propose(output)
+        seqs, rows = [], []
+        for (request, n), draft in zip(output.scheduled, drafts):
+            rows.append(list(range(len(seqs), len(seqs) + 1 + len(draft))))
+            seq = self._scheduled_seq(request, n, failed)
+            # Each draft a decode row of its own at its position, sharing the sequence's slot (speculative.py)
+            seqs += [seq] + [dataclasses.replace(seq, token_ids=[token], num_computed_tokens=seq.num_computed_tokens + 1 + j,
+                                                 history=None, write_row=False, write_history=False)
+                             for j, token in enumerate(draft)]
+        entry_of_row = [i for i, own in enumerate(rows) for _ in own]
         with_logprobs = any(r.sampling_params.logprobs is not None for r, _ in output.scheduled)
 
         def row_failed(row: int, error: Exception) -> None:
-            request = output.scheduled[row][0]
+            request = output.scheduled[entry_of_row[row]][0]
             logger.error("request %s: building its sampling row failed", request.request_id, exc_info=error)
             failed.setdefault(request, "building its sampling row failed")
 
         kind, bucket, inputs = self.runner.prepare(seqs, on_row_error=row_failed)
         clock = self._timed("inputs", clock)
-        self._fill_token_bitmask(output, inputs, failed)
+        self._fill_token_bitmask(output, [own[0] for own in rows], inputs, failed)
         clock = self._timed("grammar", clock)
         sampled = self.runner.launch(kind, bucket, inputs)
         self._timed("launch", clock)
         self.scheduler.advance(output)
-        return _LaunchedStep(output, sampled, with_logprobs), failed
+        return _LaunchedStep(output, sampled, with_logprobs, rows, drafts), failed
+
+    def _propose(self, output: SchedulerOutput) -> list[list[int]]:
+        """Draft tokens for each scheduled request: none unless speculation is on and the step is all
+        decode rows of at most `disable_by_batch_size` sequences. A request speculates unless its next
+        token depends on the tokens before it in ways one shared sampling row cannot say (penalties, a
+        grammar, min_tokens' banned stop tokens); drafts stop short of max_tokens, fit the largest decode
+        bucket with the others' rows, and take pages only where free ones are left (never preempting)."""
+        none = [[] for _ in output.scheduled]
+        if self.proposer is None or len(output.scheduled) > self.spec_max_batch:
+            return none
+        if not all(n == 1 and request.num_computed_tokens >= len(request.prompt_token_ids)
+                   for request, n in output.scheduled):
+            return none
+        room = self.cfg.max_num_seqs - len(output.scheduled)
+        k = self.cfg.speculative_config.num_speculative_tokens
+        eligible = [i for i, (request, _) in enumerate(output.scheduled)
+                    if request.grammar is None and not request.sampling_params.uses_penalties
+                    and not request.suppressed_token_ids and request.num_pending_tokens == 0]
+        limits = [min(k, output.scheduled[i][0].max_tokens - len(output.scheduled[i][0].output_token_ids) - 1)
+                  for i in eligible]
+        if room <= 0 or not any(limit > 0 for limit in limits):
+            return none
+        proposals = self.proposer.propose([output.scheduled[i][0] for i in eligible], limits)
+        for i, draft in zip(eligible, proposals):
+            request = output.scheduled[i][0]
+            draft = list(draft)[:room]
+            if draft and self.pool.grow(request.block_table, request.num_computed_tokens + 1 + len(draft)):
+                none[i] = draft
+                room -= len(draft)
+        return none
 
     def _read(self, launched: _LaunchedStep) -> list[Request]:
         """Reads a launched step's tokens (waiting for it), updates its requests and detokenizes."""
         clock = time.perf_counter()
-        sampled = self.runner.fetch(launched.sampled, len(launched.output.scheduled), launched.with_logprobs)
+        sampled = self.runner.fetch(launched.sampled, sum(map(len, launched.rows)), launched.with_logprobs)
         clock = self._timed("wait", clock)
-        updated = self.scheduler.update_from_output(launched.output, sampled)
+        rows = launched.rows
+        if any(launched.drafts):  # each takes its accepted drafts' rows and the one after
+            rows = [own[:accepted_run(draft, [int(sampled.token_ids[r]) for r in own]) + 1]
+                    for own, draft in zip(launched.rows, launched.drafts)]
+            for own, draft in zip(rows, launched.drafts):
+                if draft:
+                    self.spec_stats.observe(len(draft), len(own) - 1)
+        updated = self.scheduler.update_from_output(launched.output, sampled, rows, self._on_token)
         for request in updated:
-            self._advance_grammar(request)
-            self._detokenize(request)
             if request.status.is_finished:
                 self.requests.pop(request.request_id, None)
         self._timed("update", clock)
         return updated
 
-    def _fill_token_bitmask(self, output: SchedulerOutput, inputs: StepInputs, failed: dict[Request, str]) -> None:
+    def _on_token(self, request: Request) -> None:
+        """After each new token of a request: its grammar moves past it, its text grows (stops checked)."""
+        self._advance_grammar(request)
+        self._detokenize(request)
+
+    def _fill_token_bitmask(self, output: SchedulerOutput, first_rows: list[int], inputs: StepInputs,
+                            failed: dict[Request, str]) -> None:
         """Each structured-output row that samples this step gets what its grammar allows next, in its row
-        update (such rows are written every step they sample: `_scheduled_seq`)."""
-        constrained = [(row, request) for row, (request, _) in enumerate(output.scheduled)
+        update (such rows are written every step they sample: `_scheduled_seq`). first_rows: each
+        scheduled request's row (its first, if it speculates: grammar rows never do)."""
+        constrained = [(row, request) for row, (request, _) in zip(first_rows, output.scheduled)
                        if request.grammar is not None and inputs.samples[row] and request not in failed]
         if not constrained:  # the common step: no per-row work at all
             return
@@ -328,7 +392,8 @@ class LLMEngine:
         try:
             suppress_ids = request.suppressed_token_ids
             slot, write_row, write_history = self.slots.place(
-                (request, request.num_admissions), (len(request.block_table), suppress_ids), self._holds_slot)
+                (request, request.num_admissions), (len(request.block_table), request.num_page_trims, suppress_ids),
+                self._holds_slot)
             samples = start + num_new == request.num_tokens
             write_row |= samples and request.grammar is not None  # its token bitmask changes every step
             # A request takes its slot when admitted, before any token of it is pending: its history is whole
@@ -402,6 +467,7 @@ class LLMEngine:
             "num_cached_pages": pool.num_cached_pages,
             "kv_cache_usage": pool.usage,
             "compilations_since_warmup": self.num_compilations_since_warmup,
+            "spec_decode": self.spec_stats.as_dict() if self.spec_stats else None,
             "compiled_shapes": self.runner.compiled_shapes,
             "tensor_parallel_size": self.cfg.tensor_parallel_size,
             "device_weight_bytes": self.runner.device_weight_bytes,  # on each device of the mesh

@@ -20,6 +20,8 @@ import dataclasses
 import re
 from typing import Any, Callable
 
+from jaxserve.speculative import SpeculativeConfig
+
 
 @dataclasses.dataclass(frozen=True)
 class KindDefaults:
@@ -64,6 +66,13 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (for example 536870912, 512MiB or 4GiB)")
     number, unit = float(match.group(1)), match.group(2).upper()
     return int(number * 1024 ** " KMGT".index(unit or " "))
+
+
+def _parse_speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:  # argparse shows an ArgumentTypeError's message (a ValueError's it drops)
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def setting(default: Any, help: str, *, flag: bool = True, choices: tuple | None = None,
@@ -120,6 +129,11 @@ class EngineConfig:
               "the device; the host reads each step's tokens one step late (default: on a GPU, off on a CPU)")
     matmul_backend: str = setting("auto", "auto: the C++ packed-weight matmul on a CPU (float32), else XLA's dot",
                                   choices=MATMUL_BACKENDS)
+    speculative_config: SpeculativeConfig | None = setting(
+        None, "speculative decoding, as a JSON object: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+              "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5} (prompt lookup) or {\"method\": \"draft_model\", "
+              "\"model\": DIR, \"num_speculative_tokens\": 4}; \"disable_by_batch_size\": N turns it off in steps "
+              "of more than N sequences (default: off)", parse=_parse_speculative_config)
     # Tests, debugging and tuning only: not on the command line.
     forbid_compilation_after_warmup: bool = setting(False, "any XLA compilation after warm-up raises", flag=False)
     min_prefill_bucket: int = setting(16, "the smallest token-count bucket of prompt steps", flag=False)
@@ -134,6 +148,10 @@ class EngineConfig:
             if not ok:
                 raise ValueError(message)
 
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        check(not (self.speculative_config and self.async_scheduling),
+              "speculative decoding runs with synchronous scheduling: async_scheduling must be off (or unset) "
+              "with speculative_config")
         for f in dataclasses.fields(self):
             choices = f.metadata["choices"]
             check(choices is None or getattr(self, f.name) in choices,

@@ -110,6 +110,17 @@ class PagePool:
             block_table.append(page)
         return True
 
+    def shrink(self, block_table: list[int], num_tokens: int) -> bool:
+        """Frees the pages past those that hold `num_tokens` (speculative drafts that were rejected);
+        whether there were any."""
+        keep = -(-num_tokens // self.page_size)
+        if len(block_table) <= keep:
+            return False
+        tail = block_table[keep:]
+        del block_table[keep:]
+        self.free(tail)
+        return True
+
     def free(self, block_table: list[int]) -> None:
         """Drops the request's references, tail first; unreferenced pages stay cached until evicted."""
         for page in reversed(block_table):

@@ -17,6 +17,7 @@ import bisect
 import dataclasses
 import itertools
 import logging
+from typing import Callable
 
 from jaxserve.engine_config import EngineConfig
 from jaxserve.page_pool import PagePool
@@ -213,36 +214,55 @@ class Scheduler:
                 request.pending_row = row
             output.samples.append(samples)
 
-    def update_from_output(self, output: SchedulerOutput, sampled) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled, rows: list[list[int]] | None = None,
+                           on_token: Callable[[Request], None] | None = None) -> list[Request]:
         """Appends each sampled token of an advanced step to its request, then checks stops.
 
-        `sampled` is the host SamplerOutput (or a plain list of token ids). Returns the requests that
-        got a new token; finished ones have their pages freed. A request that finished while the step
-        ran (a stop found in the step before, an abort) has its row discarded.
+        `sampled` is the host SamplerOutput (or a plain list of token ids). rows: per scheduled request,
+        the rows whose tokens it takes, in order (default: its own row; a speculating request takes its
+        accepted drafts' rows and the row after them, and its computed tokens move past the drafts).
+        on_token(request) runs after each token (and its stop checks), and may finish the request: its
+        later tokens are then dropped. Returns the requests that got tokens; finished ones have their
+        pages freed. A request that finished while the step ran (a stop found in the step before, an
+        abort) has its rows discarded.
         """
         assert len(output.samples) == len(output.scheduled), "advance() the output first"
         tokens = getattr(sampled, "token_ids", sampled)
         updated = []
-        for i, ((request, _), token, samples) in enumerate(zip(output.scheduled, tokens, output.samples)):
+        for i, ((request, _), samples) in enumerate(zip(output.scheduled, output.samples)):
             if not samples:
                 continue  # a prompt chunk that is not the last: its sample is meaningless
             request.num_pending_tokens -= 1
             if request.status.is_finished:
                 continue
-            request.output_token_ids.append(int(token))
             updated.append(request)
-            if request.sampling_params.logprobs is not None:
-                try:
-                    request.logprobs.append(_logprob_entry(sampled, i, request.sampling_params.logprobs))
-                except Exception:  # noqa: BLE001 - one request's failure must not end the others' step
-                    logger.exception("request %s: building its logprobs failed", request.request_id)
-                    self.fail(request, "building its logprobs failed")
-                    continue
-            if request.check_stop():
-                self.finish(request)
-            elif request.status is RequestStatus.RUNNING:
-                self._cache_known_pages(request)
+            own_rows = [i] if rows is None else rows[i]
+            for row in own_rows:
+                if not self._append(request, sampled, tokens, row, on_token):
+                    break
+            else:
+                if request.status is RequestStatus.RUNNING:
+                    request.num_computed_tokens += len(own_rows) - 1  # the accepted drafts' K/V are written
+                    # Pages that held only rejected drafts go back; the table may regrow with other pages
+                    request.num_page_trims += self.pool.shrink(request.block_table, request.num_tokens)
+                    self._cache_known_pages(request)
         return updated
+
+    def _append(self, request: Request, sampled, tokens, row: int, on_token) -> bool:
+        """Appends row's token to the request; False if the request is finished now."""
+        request.output_token_ids.append(int(tokens[row]))
+        if request.sampling_params.logprobs is not None:
+            try:
+                request.logprobs.append(_logprob_entry(sampled, row, request.sampling_params.logprobs))
+            except Exception:  # noqa: BLE001 - one request's failure must not end the others' step
+                logger.exception("request %s: building its logprobs failed", request.request_id)
+                self.fail(request, "building its logprobs failed")
+                return False
+        if request.check_stop():
+            self.finish(request)
+        if on_token is not None:
+            on_token(request)
+        return not request.status.is_finished
 
     def _cache_known_pages(self, request: Request) -> None:
         """Registers pages that the token just read completed: scheduling left them out while it was pending."""

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from jaxserve.speculative import SpeculativeConfig
+
 from jaxserve import LLM
 from jaxserve.cli import build_parser
 from jaxserve.engine_config import EngineConfig, engine_config_from_args, engine_config_from_kwargs, parse_size
@@ -43,7 +45,8 @@ def test_the_flags_in_use_keep_their_names_and_meaning(command):
 
 
 SPECIAL_VALUES = {"kv_cache_memory_bytes": "1GiB", "gpu_memory_utilization": "0.5", "tensor_parallel_size": "2",
-                  "nnodes": "2", "node_rank": "1", "dist_init_addr": "leader:1234"}
+                  "nnodes": "2", "node_rank": "1", "dist_init_addr": "leader:1234",
+                  "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'}
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
@@ -57,7 +60,8 @@ def test_every_command_line_setting_is_a_flag_of_every_command(command, field):
         return
     choices = field.metadata["choices"]
     value = choices[-1] if choices else SPECIAL_VALUES.get(field.name, "64")
-    expected = {"kv_cache_memory_bytes": parse_size, "dist_init_addr": str}.get(
+    expected = {"kv_cache_memory_bytes": parse_size, "dist_init_addr": str,
+                "speculative_config": SpeculativeConfig.parse}.get(
         field.name, type(field.default or 0))(value)
     group = ["-tp", "2", "--nnodes", "2", "--dist-init-addr", "leader:1234"]  # what the multi-host flags need
     others = group if field.name in ("nnodes", "node_rank", "dist_init_addr") else []
