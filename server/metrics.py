@@ -3,7 +3,9 @@
 Request-level histograms and counters are observed by the HTTP layer as tokens stream out; the
 engine's own state (running/waiting requests, KV usage, prefix cache, preemptions) is read at scrape
 time from the stats snapshot the engine loop publishes (`EngineLoop.stats`): the event loop never
-calls into the engine, and the engine thread does no metrics work.
+calls into the engine, and the engine thread does no metrics work. Speculative decoding's counters
+(drafts, draft tokens, accepted tokens, and accepted tokens by draft position, vLLM's `position` label
+counting from 0) appear only on a server that speculates.
 """
 
 from __future__ import annotations
@@ -46,6 +48,25 @@ class _EngineCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        spec = stats.get("spec_decode")  # None (or, from an engine that predates it, absent): no speculation
+        if spec is not None:
+            yield from _spec_decode_counters(spec)
+
+
+def _spec_decode_counters(spec: dict):
+    """vLLM's spec_decode_* counters from `LLMEngine.get_stats()["spec_decode"]`."""
+    counters = {
+        "spec_decode_num_drafts": ("Sequence steps that proposed draft tokens", spec["num_drafts"]),
+        "spec_decode_num_draft_tokens": ("Draft tokens proposed", spec["num_draft_tokens"]),
+        "spec_decode_num_accepted_tokens": ("Draft tokens that verification accepted", spec["num_accepted_tokens"]),
+    }
+    for name, (doc, value) in counters.items():
+        yield CounterMetricFamily(PREFIX + name, doc, value=value)
+    per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted at each draft position (0: the first)", labels=["position"])
+    for position, value in enumerate(spec["num_accepted_tokens_per_pos"]):
+        per_pos.add_metric([str(position)], value)
+    yield per_pos
 
 
 class Metrics:

@@ -6,11 +6,19 @@
   E2EL  send -> last chunk
 Throughputs divide by the wall time of the whole run; token counts come from the server's usage
 when it sends one (stream_options.include_usage), else from the benchmark's tokenizer.
+
+What the server's own /metrics says of the run (its counters' differences over the timed part):
+a jaxserve engine's busy fractions, and the speculative decoding figures of a server that speculates
+(jaxserve's or vLLM's spec_decode counters), with vLLM's definitions:
+  acceptance rate                 accepted tokens / draft tokens
+  mean acceptance length          1 + accepted tokens / drafts (tokens a speculating sequence gains per step)
+  acceptance rate at position i   drafts whose token i was accepted / drafts
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -59,6 +67,90 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     return summary
 
 
+ENGINE_SECONDS = ("jaxserve:engine_step_seconds_total", "jaxserve:engine_model_seconds_total",
+                  "jaxserve:engine_grammar_seconds_total", "jaxserve:engine_steps_total")
+SPEC_DECODE_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+SPEC_DECODE_PREFIXES = ("jaxserve:", "vllm:")  # the same counters under either server's prefix
+
+
+def engine_seconds(samples: dict) -> tuple[float, ...] | None:
+    """A jaxserve server's engine time so far (in steps, in the model, in grammar masks) and its steps;
+    None elsewhere. `samples` maps (sample name, sorted label items) to value, as /metrics lists them."""
+    values = {name: value for (name, _), value in samples.items() if name in ENGINE_SECONDS}
+    if not all(name in values for name in ENGINE_SECONDS[:2]):
+        return None
+    return tuple(values.get(name, math.nan) for name in ENGINE_SECONDS)
+
+
+def spec_decode_counters(samples: dict) -> dict | None:
+    """The server's speculative decoding counters so far, with the keys of `LLMEngine.get_stats()["spec_decode"]`,
+    summed over any other labels (vLLM's model_name, engine); None when it has none (speculation off, another
+    server)."""
+    for prefix in SPEC_DECODE_PREFIXES:
+        totals, per_pos = {}, {}
+        for (name, labels), value in samples.items():
+            if not (name.startswith(prefix + "spec_decode_") and name.endswith("_total")):
+                continue  # `_created` samples among them
+            counter = name.removeprefix(prefix + "spec_decode_").removesuffix("_total")
+            position = dict(labels).get("position", "")
+            if counter in SPEC_DECODE_COUNTERS:
+                totals[counter] = totals.get(counter, 0) + round(value)
+            elif counter == "num_accepted_tokens_per_pos" and position.isdigit():
+                per_pos[int(position)] = per_pos.get(int(position), 0) + round(value)
+        if len(totals) == len(SPEC_DECODE_COUNTERS):
+            num_positions = max(per_pos, default=-1) + 1
+            return totals | {"num_accepted_tokens_per_pos": [per_pos.get(i, 0) for i in range(num_positions)]}
+    return None
+
+
+def spec_decode_summary(before: dict, after: dict) -> dict:
+    """The run's speculative decoding figures from the engine's cumulative counters before and after it,
+    each a dict with the keys of `LLMEngine.get_stats()["spec_decode"]`. Rates are NaN with no drafts."""
+    counts = {name: int(after[name] - before[name]) for name in SPEC_DECODE_COUNTERS}
+    per_pos_before = list(before["num_accepted_tokens_per_pos"])
+    per_pos_after = list(after["num_accepted_tokens_per_pos"])
+    per_pos_before += [0] * (len(per_pos_after) - len(per_pos_before))  # a position first counted during the run
+    per_pos = [int(a - b) for a, b in zip(per_pos_after, per_pos_before)]
+    num_drafts, num_draft_tokens = counts["num_drafts"], counts["num_draft_tokens"]
+    return counts | {
+        "num_accepted_tokens_per_pos": per_pos,
+        "acceptance_rate": counts["num_accepted_tokens"] / num_draft_tokens if num_draft_tokens else math.nan,
+        "mean_acceptance_length": 1 + counts["num_accepted_tokens"] / num_drafts if num_drafts else math.nan,
+        "acceptance_rate_per_pos": [n / num_drafts if num_drafts else math.nan for n in per_pos],
+    }
+
+
+def server_figures(before: dict, after: dict, duration: float) -> dict:
+    """What two /metrics scrapes `duration` seconds apart say: the engine's busy fractions (jaxserve),
+    grammar mask time per step, and speculative decoding's figures ("spec_decode"); only those the server has."""
+    figures = {}
+    busy_before, busy_after = engine_seconds(before), engine_seconds(after)
+    if busy_before and busy_after:
+        figures = {"engine_busy_fraction": (busy_after[0] - busy_before[0]) / duration,
+                   "engine_model_fraction": (busy_after[1] - busy_before[1]) / duration}
+        steps = busy_after[3] - busy_before[3]
+        if steps > 0 and math.isfinite(busy_after[2]):
+            figures["grammar_ms_per_step"] = 1000 * (busy_after[2] - busy_before[2]) / steps
+    spec_before, spec_after = spec_decode_counters(before), spec_decode_counters(after)
+    if spec_before and spec_after:
+        figures["spec_decode"] = spec_decode_summary(spec_before, spec_after)
+    return figures
+
+
+def _figure(value: float, fmt: str = "{:.1%}") -> str:
+    return "n/a" if math.isnan(value) else fmt.format(value)
+
+
+def format_spec_decode(spec: dict) -> list[str]:
+    """Table rows of `spec_decode_summary`'s figures."""
+    per_pos = " / ".join(map(_figure, spec["acceptance_rate_per_pos"])) or "n/a"
+    return [f"| speculative decoding: acceptance rate | {_figure(spec['acceptance_rate'])} |",
+            f"| speculative decoding: mean acceptance length | {_figure(spec['mean_acceptance_length'], '{:.2f}')} |",
+            f"| speculative decoding: acceptance rate per position | {per_pos} |",
+            f"| speculative decoding: drafts / draft tokens / accepted tokens | {spec['num_drafts']} / "
+            f"{spec['num_draft_tokens']} / {spec['num_accepted_tokens']} |"]
+
+
 def format_summary(summary: dict, title: str = "serving benchmark") -> str:
     lines = [f"| {title} | |", "|---|---|"]
     lines += [f"| successful requests | {summary['completed']} |", f"| failed requests | {summary['failed']} |",
@@ -75,6 +167,8 @@ def format_summary(summary: dict, title: str = "serving benchmark") -> str:
                      f"{summary['engine_model_fraction']:.0%} |")
     if "grammar_ms_per_step" in summary:
         lines.append(f"| jaxserve grammar token masks per step (ms) | {summary['grammar_ms_per_step']:.2f} |")
+    if "spec_decode" in summary:
+        lines += format_spec_decode(summary["spec_decode"])
     if "first_error" in summary:
         lines.append(f"| first error | {summary['first_error'][:200]} |")
     return "\n".join(lines)
@@ -87,13 +181,19 @@ SWEEP_COLUMNS = [("output tok/s", "output_throughput", "{:.1f}"), ("total tok/s"
 
 
 def format_sweep(runs: dict[str, list[dict]]) -> str:
-    """One row per (engine, concurrency); runs maps an engine label to its summaries."""
-    head = "| engine | concurrency | " + " | ".join(c for c, _, _ in SWEEP_COLUMNS) + " |"
-    lines = [head, "|" + "---|" * (len(SWEEP_COLUMNS) + 2)]
+    """One row per (engine, concurrency); runs maps an engine label to its summaries. Runs with speculative
+    decoding add its acceptance rate and mean acceptance length ("-" for the runs without)."""
+    has_spec = any("spec_decode" in s for summaries in runs.values() for s in summaries)
+    names = [c for c, _, _ in SWEEP_COLUMNS] + (["acceptance rate", "mean acceptance length"] if has_spec else [])
+    lines = ["| engine | concurrency | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 2)]
     for label, summaries in runs.items():
         for s in summaries:
-            cells = " | ".join(fmt.format(s[key]) for _, key, fmt in SWEEP_COLUMNS)
-            lines.append(f"| {label} | {s['max_concurrency']} | {cells} |")
+            cells = [fmt.format(s[key]) for _, key, fmt in SWEEP_COLUMNS]
+            if has_spec:
+                spec = s.get("spec_decode")
+                cells += ([_figure(spec["acceptance_rate"]), _figure(spec["mean_acceptance_length"], "{:.2f}")]
+                          if spec else ["-", "-"])
+            lines.append(f"| {label} | {s['max_concurrency']} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 

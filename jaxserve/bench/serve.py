@@ -9,6 +9,10 @@ and reports which fraction of the run the engine spent in steps, and in the mode
 `--structured-output-ratio R` makes that share of the requests ask for JSON (`response_format` with a
 schema whose output outlasts max_tokens, so constrained and free requests generate as many tokens); a
 jaxserve server then also says how long its steps spent computing the grammars' token masks.
+A server that speculates (jaxserve's or vLLM's spec_decode counters on /metrics) gets its acceptance
+rate, mean acceptance length and per-position acceptance over the timed part reported too;
+`--dataset-name grounded` sends prompts whose answers repeat them, the workload that prompt lookup
+speeds up (datasets.py).
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ import time
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxserve.bench.datasets import BenchRequest, jsonl_requests, random_requests
-from jaxserve.bench.metrics import RequestResult, format_summary, format_sweep, plot_sweep, summarize
+from jaxserve.bench.datasets import BenchRequest, add_dataset_flags, requests_from_flags
+from jaxserve.bench.metrics import RequestResult, format_summary, format_sweep, plot_sweep, server_figures, summarize
 
 
 def _payload(endpoint: str, model: str, request: BenchRequest, ignore_eos: bool) -> dict:
@@ -87,10 +91,6 @@ async def send_request(client, url: str, body: dict, request: BenchRequest) -> R
     return result
 
 
-ENGINE_SECONDS = ("jaxserve:engine_step_seconds_total", "jaxserve:engine_model_seconds_total",
-                  "jaxserve:engine_grammar_seconds_total", "jaxserve:engine_steps_total")
-
-
 def constrained(requests: list[BenchRequest], ratio: float) -> list[BenchRequest]:
     """`requests` with an even share `ratio` of them asking for JSON: an array of output_len integers,
     more tokens than max_tokens lets them write, so they run as long as the free ones."""
@@ -106,10 +106,11 @@ def constrained(requests: list[BenchRequest], ratio: float) -> list[BenchRequest
     return out
 
 
-async def engine_seconds(client, base_url: str) -> tuple[float, ...] | None:
-    """A jaxserve server's engine time so far (in steps, in the model, in grammar masks) and its steps,
-    from /metrics; None elsewhere."""
+async def scrape_metrics(client, base_url: str) -> dict[tuple[str, tuple], float] | None:
+    """Every sample of the server's /metrics, keyed by (sample name, sorted label items); None when it
+    has no Prometheus /metrics."""
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
     try:
         response = await client.get(base_url.rstrip("/") + "/metrics")
@@ -117,14 +118,11 @@ async def engine_seconds(client, base_url: str) -> tuple[float, ...] | None:
         return None
     if response.status_code != 200:
         return None
-    values = {}
-    for line in response.text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in ENGINE_SECONDS:
-            values[name] = float(value)
-    if not all(name in values for name in ENGINE_SECONDS[:2]):
+    try:
+        return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+                for family in text_string_to_metric_families(response.text) for sample in family.samples}
+    except ValueError:  # not Prometheus' text format
         return None
-    return tuple(values.get(name, math.nan) for name in ENGINE_SECONDS)
 
 
 async def run_once(base_url: str, endpoint: str, model: str, requests: list[BenchRequest], *,
@@ -132,7 +130,8 @@ async def run_once(base_url: str, endpoint: str, model: str, requests: list[Benc
                    warmups: list[BenchRequest] = (), api_key: str | None = None,
                    progress: bool = True) -> tuple[list, float, dict]:
     """Sends every request; returns (results in dataset order, wall seconds from first send to last answer,
-    the engine's busy fractions over those seconds: empty unless the server is jaxserve)."""
+    what the server's /metrics says of those seconds: the engine's busy fractions if it is jaxserve, the
+    speculative decoding figures if it speculates; empty otherwise)."""
     import httpx
 
     url = base_url.rstrip("/") + ("/v1/chat/completions" if endpoint == "chat" else "/v1/completions")
@@ -159,7 +158,7 @@ async def run_once(base_url: str, endpoint: str, model: str, requests: list[Benc
             bar.update(1)
             return result
 
-        busy_before = await engine_seconds(client, base_url)
+        metrics_before = await scrape_metrics(client, base_url)
         start = time.perf_counter()
         tasks = []
         for request in requests:
@@ -169,15 +168,10 @@ async def run_once(base_url: str, endpoint: str, model: str, requests: list[Benc
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         bar.close()
-        busy_after = await engine_seconds(client, base_url) if busy_before else None
-    engine = {}
-    if busy_before and busy_after:
-        engine = {"engine_busy_fraction": (busy_after[0] - busy_before[0]) / duration,
-                  "engine_model_fraction": (busy_after[1] - busy_before[1]) / duration}
-        steps = busy_after[3] - busy_before[3]
-        if steps > 0 and math.isfinite(busy_after[2]):
-            engine["grammar_ms_per_step"] = 1000 * (busy_after[2] - busy_before[2]) / steps
-    return results, duration, engine
+        metrics_after = await scrape_metrics(client, base_url) if metrics_before is not None else None
+    if metrics_after is None:
+        return results, duration, {}
+    return results, duration, server_figures(metrics_before, metrics_after, duration)
 
 
 def served_model(base_url: str, api_key: str | None) -> str:
@@ -194,17 +188,15 @@ def served_model(base_url: str, api_key: str | None) -> str:
 
 
 def build_requests(args: argparse.Namespace) -> tuple[list[BenchRequest], list[BenchRequest]]:
-    """(timed requests, warm-up requests). Random warm-ups are other prompts than the timed ones, so a
+    """(timed requests, warm-up requests). Generated warm-ups are other prompts than the timed ones, so a
     server's prefix cache cannot serve a timed prompt from the warm-up."""
     from jaxserve.weights import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer)
     if args.dataset_path:
-        requests = jsonl_requests(args.dataset_path, tokenizer, args.num_prompts, args.output_len)
-        requests = constrained(requests, args.structured_output_ratio)
+        requests = constrained(requests_from_flags(args, tokenizer, args.num_prompts), args.structured_output_ratio)
         return requests, [requests[i % len(requests)] for i in range(args.num_warmups)]
-    requests = random_requests(tokenizer, args.num_prompts + args.num_warmups, args.input_len, args.output_len,
-                               args.range_ratio, args.seed)
+    requests = requests_from_flags(args, tokenizer, args.num_prompts + args.num_warmups)
     requests = constrained(requests, args.structured_output_ratio)
     return requests[:args.num_prompts], requests[args.num_prompts:]
 
@@ -234,7 +226,7 @@ def run(args: argparse.Namespace) -> dict:
         print("\n" + format_sweep({args.label: summaries}))
     report = {"label": args.label, "base_url": base_url, "model": model, "endpoint": args.endpoint,
               "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-              "range_ratio": args.range_ratio, "dataset_path": args.dataset_path,
+              "range_ratio": args.range_ratio, "dataset_name": args.dataset_name, "dataset_path": args.dataset_path,
               "structured_output_ratio": args.structured_output_ratio, "runs": summaries}
     if args.out:
         with open(args.out, "w") as f:
@@ -254,21 +246,17 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer for the prompts: model dir, GGUF or checkpoint (default: SmolLM2's)")
-    parser.add_argument("--dataset-path", default=None, help="JSONL of {\"prompt\": ...} (default: random prompts)")
-    parser.add_argument("--num-prompts", type=int, default=100)
-    parser.add_argument("--input-len", type=int, default=256, help="random dataset: prompt tokens")
-    parser.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
-    parser.add_argument("--range-ratio", type=float, default=0.0, help="random lengths in len*(1 -/+ ratio)")
+    add_dataset_flags(parser)
     parser.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second")
     parser.add_argument("--sweep", type=int, nargs="+", default=None, metavar="CONCURRENCY",
                         help="run once per concurrency and tabulate them")
     parser.add_argument("--num-warmups", type=int, default=0,
-                        help="untimed requests sent first (random dataset: prompts other than the timed ones)")
+                        help="untimed requests sent first (generated datasets: prompts other than the timed ones)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --output-len tokens")
     parser.add_argument("--structured-output-ratio", type=float, default=0.0,
                         help="share of the requests that ask for JSON with a schema (response_format)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated datasets and of the arrivals")
     parser.add_argument("--label", default="server", help="the engine's name in tables and plots")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--plot", default=None, help="with --sweep: write a PNG plot here")

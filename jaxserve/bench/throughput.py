@@ -1,6 +1,6 @@
 """`jaxserve bench throughput`: offline `LLM.generate` throughput on the benchmark datasets.
 
-The same prompts as `jaxserve bench serve` (random or JSONL), run in-process with no HTTP, all
+The same prompts as `jaxserve bench serve` (random, grounded or JSONL), run in-process with no HTTP, all
 submitted at once; warm-up compiles are outside the timed region. Prints requests/s, output and
 total tokens/s, and how close the run came to the device's peak (hardware.py). With
 `--hf-baseline --ignore-eos`, Hugging Face transformers' batched `generate` runs the same prompts
@@ -15,11 +15,12 @@ import dataclasses
 import json
 import time
 
+from jaxserve.bench.datasets import add_dataset_flags, requests_from_flags
+from jaxserve.bench.metrics import format_spec_decode, spec_decode_summary
 from jaxserve.engine_config import engine_config_from_args
 
 
 def run(args: argparse.Namespace) -> dict:
-    from jaxserve.bench.datasets import jsonl_requests, random_requests
     from jaxserve.bench.hardware import utilization_lines
     from jaxserve.llm import LLM
     from jaxserve.sampling import SamplingParams
@@ -29,20 +30,18 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("--hf-baseline needs --ignore-eos, so both engines generate the same number of tokens")
     llm = LLM(args.model, **dataclasses.asdict(engine_config_from_args(args)))
     engine_cfg = llm.engine.cfg  # with the settings left unset chosen for the device
-    if args.dataset_path:
-        requests = jsonl_requests(args.dataset_path, llm.tokenizer, args.num_prompts, args.output_len)
-    else:
-        requests = random_requests(llm.tokenizer, args.num_prompts, args.input_len, args.output_len,
-                                   args.range_ratio, args.seed)
+    requests = requests_from_flags(args, llm.tokenizer, args.num_prompts)
     prompts = [{"prompt": r.prompt, "add_special_tokens": False} for r in requests]
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=args.ignore_eos) for r in requests]
     steps_before = llm.engine.num_steps
+    spec_before = llm.get_stats().get("spec_decode")  # None: speculation off
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
     seconds = time.perf_counter() - start
     num_in = sum(len(o.prompt_token_ids) for o in outputs)
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_steps = llm.engine.num_steps - steps_before
+    stats = llm.get_stats()
     result = {"args": {k: v for k, v in vars(args).items() if k != "func"},
               "attention_backend": llm.engine.runner.attention_backend,
               "matmul_backend": llm.engine.runner.matmul_backend,
@@ -50,12 +49,15 @@ def run(args: argparse.Namespace) -> dict:
               "total_input_tokens": num_in, "total_output_tokens": num_out,
               "request_throughput": len(requests) / seconds, "output_throughput": num_out / seconds,
               "total_token_throughput": (num_in + num_out) / seconds,
-              "stats": {k: v for k, v in llm.get_stats().items() if k != "compiled_shapes"}}
+              "stats": {k: v for k, v in stats.items() if k != "compiled_shapes"}}
     print(f"\n| offline throughput | |\n|---|---|\n| requests | {len(requests)} |\n"
           f"| seconds | {seconds:.1f} |\n| input / output tokens | {num_in} / {num_out} |\n"
           f"| requests/s | {result['request_throughput']:.2f} |\n"
           f"| output tokens/s | {result['output_throughput']:.1f} |\n"
           f"| total tokens/s | {result['total_token_throughput']:.1f} |\n")
+    if spec_before and stats.get("spec_decode"):
+        result["spec_decode"] = spec_decode_summary(spec_before, stats["spec_decode"])
+        print("\n".join(["| speculative decoding | |", "|---|---|", *format_spec_decode(result["spec_decode"])]) + "\n")
     result["utilization"] = utilization_lines(llm.engine.model_cfg, llm.engine.runner.params, engine_cfg.dtype,
                                               num_in, num_out, num_steps, seconds)
     print("\n".join(result["utilization"]))
@@ -78,11 +80,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dataset-path", default=None, help="JSONL of {\"prompt\": ...} (default: random prompts)")
-    parser.add_argument("--num-prompts", type=int, default=100)
-    parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--range-ratio", type=float, default=0.0)
+    add_dataset_flags(parser)
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--no-progress", action="store_true")
