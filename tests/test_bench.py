@@ -194,6 +194,24 @@ def test_bench_throughput_counts_every_token(tiny_model_dir, tmp_path):
     assert "output tokens/s" in run.stdout and "of a large f32 matmul" in run.stdout
 
 
+def test_bench_throughput_reports_speculation_on_grounded_prompts(tiny_model_dir, tmp_path):
+    """With --speculative-config, the timed run's drafts and acceptance are printed and written, counted by
+    the engine's own counters; grounded prompts still generate exactly --output-len tokens each."""
+    out = tmp_path / "spec.json"
+    run = _cli("bench", "throughput", "--model", str(tiny_model_dir("llama")), "--max-model-len", "256",
+               "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--block-size", "8", "--num-kv-pages", "160",
+               "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', "--dataset-name", "grounded",
+               "--num-prompts", "3", "--input-len", "120", "--output-len", "12", "--ignore-eos", "--out", str(out),
+               "--no-progress")
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    assert result["total_output_tokens"] == 3 * 12
+    spec, engine = result["spec_decode"], result["stats"]["spec_decode"]
+    assert 0 < spec["num_drafts"] <= engine["num_drafts"] and len(spec["num_accepted_tokens_per_pos"]) == 3
+    assert spec["acceptance_rate"] == pytest.approx(spec["num_accepted_tokens"] / spec["num_draft_tokens"])
+    assert "| speculative decoding: acceptance rate |" in run.stdout
+
+
 def test_bench_throughput_runs_hf_generate_on_the_same_prompts_beside_it(tiny_model_dir, tmp_path):
     out = tmp_path / "tput.json"
     run = _cli("bench", "throughput", "--model", str(tiny_model_dir("llama")), "--max-model-len", "128",
