@@ -102,16 +102,18 @@ def make_proposer(spec: SpeculativeConfig, model_cfg, engine_cfg) -> Proposer:
 
 
 def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
-    """The k tokens (fewer at the end) that followed the latest earlier occurrence of the longest suffix of
-    `tokens` of length max_n down to min_n that occurs earlier; [] if none does."""
+    """The k tokens that followed the latest earlier occurrence of the longest suffix of `tokens` of length
+    max_n down to min_n that occurs earlier (of the occurrences with k tokens after them, if any: in a
+    repeating run the latest is just before the end); fewer near the end; [] if none occurs."""
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         suffix = tokens[length - n:]
         # Windows starting at 0 .. length - n - 1 (the suffix itself excluded)
         windows = np.lib.stride_tricks.sliding_window_view(tokens[:length - 1], n)
         hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
+        if hits.size:  # the latest match with k tokens after it (a repeating run's latest has fewer)
+            full = hits[hits + n + k <= length]
+            start = int(full[-1] if full.size else hits[-1]) + n
             return tokens[start:start + k].tolist()
     return []
 

@@ -134,3 +134,89 @@ def test_compiled_decode_steps_read_the_weights_in_place(llm):
     assert sorted(temp) == runner.decode_buckets and temp[1] > 0
     assert temp[1] < layer_bytes / 4, (layer_bytes, temp)
     assert all(size <= bucket * temp[1] * 1.05 for bucket, size in temp.items()), temp
+
+
+# -- speculative decoding (prompt lookup) --------------------------------------------------------------
+
+GROUNDED = [  # answers that repeat their prompt: prompt lookup's drafts are accepted
+    "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog beside the quiet river.",
+    "Copy the list word for word: apples, bananas, cherries, dates, elderberries, figs, grapes, honeydew.",
+    "Say again, unchanged: Meetings are held on the first Monday of every month in the town hall at noon.",
+    "Repeat the following line twice: red green blue, red green blue, red green blue.",
+]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+
+
+@pytest.fixture(scope="module")
+def spec_llm():
+    """The `llm` engine's shapes (its executables come from the compilation cache) with prompt lookup."""
+    return LLM(None, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128, speculative_config=NGRAM)
+
+
+def _chat(tok, content: str) -> dict:
+    return {"prompt_token_ids": tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True), add_special_tokens=False)}
+
+
+def test_prompt_lookup_gives_the_same_greedy_tokens(llm, spec_llm, prompts, hf_tokens):
+    """12 prompts (4 plain, 8 chat of which 4 ask to repeat a text), in batches of 4 (speculation's
+    default batch limit): the greedy tokens of the engine without speculation (the first 8: HF's)."""
+    params = SamplingParams(temperature=0, max_tokens=32)
+    grounded = [_chat(llm.tokenizer, text) for text in GROUNDED]
+    expected = hf_tokens + [o.outputs[0].token_ids for o in llm.generate(grounded, params, use_tqdm=False)]
+    every = prompts + grounded
+    got = [o.outputs[0].token_ids for start in range(0, len(every), 4)
+           for o in spec_llm.generate(every[start:start + 4], params, use_tqdm=False)]
+    assert got == expected
+    stats = spec_llm.get_stats()["spec_decode"]
+    assert stats["num_accepted_tokens_per_pos"][-1] > 0, stats  # whole runs of drafts accepted
+
+
+def _serve_four_at_a_time(engine, work, abort_after: dict[int, int]) -> list:
+    """Runs `work` [(prompt ids, params)] keeping 4 requests in flight; request i in abort_after is aborted
+    once it has that many tokens. Returns the finished requests in work order."""
+    waiting, running, done = list(enumerate(work)), {}, {}
+    while waiting or running:
+        while waiting and len(running) < 4:
+            i, (prompt, params) = waiting.pop(0)
+            running[i] = engine.add_request(prompt, params)
+        engine.step()
+        for i, request in list(running.items()):
+            if i in abort_after and len(request.output_token_ids) >= abort_after[i] and not request.status.is_finished:
+                engine.abort_request(request.request_id)
+            if request.status.is_finished:
+                done[i] = running.pop(i)
+    assert engine.pool.num_used_pages == 0 and not engine.requests
+    return [done[i] for i in range(len(work))]
+
+
+def test_prompt_lookup_in_a_stream_of_32_requests_with_stops_and_aborts(llm, spec_llm, prompts):
+    """32 greedy requests, 4 in flight: stop ids, stop strings (taken from a first run, so they fire
+    mid-output), max_tokens from 1 to 40, EOS, and 4 aborts. The same tokens, text and reasons with and
+    without speculation; an aborted request keeps a prefix of its tokens."""
+    tok = llm.tokenizer
+    every = [p["prompt_token_ids"] for p in prompts + [_chat(tok, text) for text in GROUNDED]]
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    first = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in every], greedy, use_tqdm=False)]
+    work = []
+    for i in range(32):
+        prompt, out = every[i % len(every)], first[i % len(every)]
+        words = out.text.split()
+        kind = i % 4
+        params = [SamplingParams(temperature=0, max_tokens=1 + (i * 7) % 40),
+                  SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[out.token_ids[min(9, len(out.token_ids) - 1)]]),
+                  SamplingParams(temperature=0, max_tokens=40, stop=[words[len(words) // 2]] if words else None),
+                  greedy][kind]
+        work.append((prompt, params))
+    abort_after = {3: 2, 11: 5, 19: 9, 27: 12}
+    runs = [_serve_four_at_a_time(engine.engine, work, abort_after) for engine in (llm, spec_llm)]
+    for i, (a, b) in enumerate(zip(*runs)):
+        if i in abort_after and "abort" in (a.finish_reason, b.finish_reason):
+            shorter, longer = sorted((a.output_token_ids, b.output_token_ids), key=len)
+            assert longer[:len(shorter)] == shorter, i
+            continue
+        assert (a.output_token_ids, a.output_text, a.finish_reason, a.stop_reason) == (
+            b.output_token_ids, b.output_text, b.finish_reason, b.stop_reason), i
+    reasons = {(r.finish_reason, type(r.stop_reason).__name__) for r in runs[1]}
+    assert {("length", "NoneType"), ("stop", "int"), ("stop", "str"), ("abort", "NoneType")} <= reasons
+    assert spec_llm.get_stats()["compilations_since_warmup"] == 0

@@ -171,6 +171,7 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
     assert ngram_propose(tokens, 1, 3, 2) == [5, 6]  # "2 3" last seen before "5 6" (its latest match)
     assert ngram_propose(tokens, 3, 3, 2) == []  # no earlier "7 2 3"
     assert ngram_propose(np.array([4, 4, 4]), 1, 2, 5) == [4]  # the run stops at the sequence's end
+    assert ngram_propose(np.array([3, 4, 4, 4, 4, 4]), 1, 2, 3) == [4, 4, 4]  # not the latest "4 4": 1 token after
     assert ngram_propose(np.array([8]), 1, 2, 3) == []
     assert accepted_run([5, 6, 7], [5, 6, 8, 1]) == 2 and accepted_run([5], [4, 0]) == 0
     assert accepted_run([1, 2], [1, 2, 3]) == 2
