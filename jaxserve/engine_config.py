@@ -113,6 +113,14 @@ class EngineConfig:
                                  f"{GPU.dtype} on a GPU", choices=DTYPES)
     seed: int = setting(0, "seed of the seeds drawn for requests that bring none")
     enable_prefix_caching: bool = setting(True, "reuse the KV pages of earlier prompts' common prefixes")
+    long_prefill_token_threshold: int = setting(
+        0, "a prompt with more tokens left to prefill than this is long: it takes at most this many tokens "
+           "a step, and at most max_long_partial_prefills long prompts prefill at once, so shorter prompts go "
+           "ahead of it (0: no prompt is long; unset with max_num_partial_prefills > 1: 4% of max_model_len)")
+    max_num_partial_prefills: int | None = setting(
+        None, "most prompts prefilling (partly) in one step (default: as many as the token budget takes)")
+    max_long_partial_prefills: int = setting(
+        1, "most long prompts (see long_prefill_token_threshold) prefilling in one step")
     mixed_batches: bool = setting(True, "let prompt chunks and decode rows share a step (off: prompts and "
                                         "decodes in separate steps, vLLM V0's policy, to measure what mixing buys)")
     attention_backend: str = setting("auto", "auto: the Pallas kernels on a Hopper GPU when the model fits them, "
@@ -172,6 +180,12 @@ class EngineConfig:
         check(None in (self.max_num_batched_tokens, self.max_num_seqs)
               or self.max_num_batched_tokens >= self.max_num_seqs,
               f"{self.max_num_batched_tokens=} must be at least {self.max_num_seqs=}")
+        check(self.long_prefill_token_threshold >= 0, f"{self.long_prefill_token_threshold=} must be >= 0")
+        check(self.max_num_partial_prefills is None or self.max_num_partial_prefills >= 1,
+              f"{self.max_num_partial_prefills=} must be at least 1")
+        check(self.max_long_partial_prefills >= 1 and (self.max_num_partial_prefills is None or
+              self.max_long_partial_prefills <= self.max_num_partial_prefills),
+              f"{self.max_long_partial_prefills=} must be in [1, {self.max_num_partial_prefills=}]")
         check(self.num_kv_pages is None or self.num_kv_pages >= 1, f"{self.num_kv_pages=} must be at least 1")
         check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
               f"{self.kv_cache_memory_bytes=} must be positive")

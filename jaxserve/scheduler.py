@@ -53,6 +53,38 @@ def _last_token_pending(request: Request) -> bool:
     return request.num_pending_tokens > 0 and num_outputs >= request.max_tokens
 
 
+class _PartialPrefills:
+    """One step's prompts being prefilled, under vLLM's limits: at most max_num_partial_prefills of them,
+    of which at most max_long_partial_prefills long ones (more than `threshold` prompt tokens left, each
+    taking at most `threshold` tokens a step)."""
+
+    def __init__(self, cfg: EngineConfig, threshold: int):
+        self.max_all, self.max_long, self.threshold = cfg.max_num_partial_prefills, cfg.max_long_partial_prefills, threshold
+        self.num_all = self.num_long = 0
+
+    def _is_long(self, request: Request) -> bool:
+        return 0 < self.threshold < request.num_tokens - request.num_computed_tokens
+
+    @property
+    def room(self) -> bool:
+        return self.max_all is None or self.num_all < self.max_all
+
+    def admits(self, request: Request) -> bool:
+        if not _needs_prefill(request) and request.status is RequestStatus.RUNNING:
+            return True  # a decode row
+        return self.room and not (self._is_long(request) and self.num_long >= self.max_long)
+
+    def chunk(self, request: Request) -> int:
+        """The most tokens the request may take this step."""
+        left = request.num_tokens - request.num_computed_tokens
+        return min(left, self.threshold) if self._is_long(request) else left
+
+    def add(self, request: Request) -> None:
+        if _needs_prefill(request) or request.status is not RequestStatus.RUNNING:
+            self.num_all += 1
+            self.num_long += self._is_long(request)
+
+
 def _waiting_key(request: Request) -> tuple[int, int]:
     return request.priority, request.arrival_index
 
@@ -63,6 +95,9 @@ class Scheduler:
         a step that would be mostly padding takes fewer prompt tokens (see `_token_budget`)."""
         self.cfg, self.pool = cfg, pool
         self.prefill_buckets = sorted(prefill_buckets or [])
+        # vLLM's partial-prefill limits: a prompt with more than `long_threshold` tokens left is long (0: none is)
+        self.long_threshold = cfg.long_prefill_token_threshold or (
+            cfg.max_model_len * 4 // 100 if (cfg.max_num_partial_prefills or 1) > 1 and cfg.max_model_len else 0)
         self.waiting: list[Request] = []  # sorted by (priority, arrival_index)
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
@@ -100,13 +135,15 @@ class Scheduler:
         budget = self._token_budget(prompt_step)
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
+        prefills = _PartialPrefills(self.cfg, self.long_threshold)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if (prompt_step is not None and _needs_prefill(request) != prompt_step) or _last_token_pending(request):
+            if ((prompt_step is not None and _needs_prefill(request) != prompt_step) or _last_token_pending(request)
+                    or not prefills.admits(request)):
                 i += 1
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(prefills.chunk(request), budget)
             assert num_new > 0, request.request_id
             while not self.pool.grow(request.block_table, request.num_computed_tokens + num_new):
                 # Victims come from this request and those not yet scheduled this step: pages of a
@@ -119,19 +156,25 @@ class Scheduler:
             else:
                 self._cache_pages(request, request.num_computed_tokens + num_new)
                 scheduled.append((request, num_new))
+                prefills.add(request)
                 budget -= num_new
                 i += 1
                 continue
             break
 
-        while (self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not preempted
-               and prompt_step is not False):
-            request = self.waiting[0]
-            if not self._admit(request, budget):
+        j = 0  # waiting requests in order; a long prompt over the limit lets the shorter ones after it go first
+        while (j < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not preempted
+               and prompt_step is not False and prefills.room):
+            request = self.waiting[j]
+            if not prefills.admits(request):
+                j += 1
+                continue
+            if not self._admit(request, min(prefills.chunk(request), budget)):
                 break
-            self.waiting.pop(0)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            self.waiting.pop(j)
+            num_new = min(prefills.chunk(request), budget)
             scheduled.append((request, num_new))
+            prefills.add(request)
             budget -= num_new
         return SchedulerOutput(scheduled, preempted)
 

@@ -215,3 +215,48 @@ def test_preemption_frees_pages_and_requeues_the_newest():
     assert second.block_table == [] and second.num_computed_tokens == 0
     assert scheduler.waiting[0] is second and scheduler.num_preemptions == 1
     assert [r.request_id for r, _ in out.scheduled] == ["first"]
+
+
+def _steps_to_first_token(cfg: EngineConfig, arrivals: list[Request]) -> dict[str, int]:
+    """Runs the scheduler alone (every sampled token 7); returns the step at which each request got its first."""
+    scheduler = Scheduler(cfg, PagePool(256, 8))
+    for request in arrivals:
+        scheduler.add_request(request)
+    first, step = {}, 0
+    while scheduler.has_unfinished:
+        step += 1
+        out = scheduler.schedule()
+        assert out.num_tokens <= cfg.max_num_batched_tokens
+        scheduler.advance(out)
+        for request in scheduler.update_from_output(out, [7] * len(out.scheduled)):
+            first.setdefault(request.request_id, step)
+    return first
+
+
+@pytest.mark.parametrize("limits, expected", [
+    # A 400-token prompt, first in line, fills 64-token steps: the short ones get their first token with it
+    ({}, {"long": 7, "s0": 7, "s1": 7, "s2": 7}),
+    # It takes 32 tokens a step; the three short prompts (and the first 8 of their neighbour) fill the rest
+    ({"long_prefill_token_threshold": 32}, {"long": 13, "s0": 1, "s1": 1, "s2": 2}),
+    # Two prompts a step: the long one in 20-token chunks (4% of 512) beside one short prompt at a time
+    ({"max_num_partial_prefills": 2}, {"long": 20, "s0": 1, "s1": 2, "s2": 3}),
+])
+def test_a_long_prompt_does_not_starve_short_ones_with_vllms_partial_prefill_limits(limits, expected):
+    """vLLM's long_prefill_token_threshold / max_num_partial_prefills: counted in steps, a long prompt
+    admitted first no longer holds back the short prompts that arrived with it until it is prefilled."""
+    cfg = EngineConfig(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64, block_size=8, **limits)
+    long = _request("long", 400, max_tokens=2, first_token=1000)
+    shorts = [_request(f"s{i}", 12, max_tokens=2, first_token=50 * i) for i in range(3)]
+    assert _steps_to_first_token(cfg, [long, *shorts]) == expected
+
+
+def test_at_most_max_long_partial_prefills_long_prompts_prefill_at_once():
+    cfg = EngineConfig(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128, block_size=8,
+                       long_prefill_token_threshold=40, max_num_partial_prefills=3, max_long_partial_prefills=1)
+    scheduler = Scheduler(cfg, PagePool(256, 8))
+    for i, n in enumerate([300, 200, 12, 12, 12]):
+        scheduler.add_request(_request(f"r{i}", n, first_token=60 * i))
+    out = scheduler.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("r0", 40), ("r2", 12), ("r3", 12)]
+    with pytest.raises(ValueError, match="max_long_partial_prefills"):
+        EngineConfig(max_num_partial_prefills=2, max_long_partial_prefills=3)
