@@ -301,7 +301,12 @@ class LLMEngine:
                   for i in eligible]
         if room <= 0 or not any(limit > 0 for limit in limits):
             return none
-        proposals = self.proposer.propose([output.scheduled[i][0] for i in eligible], limits)
+        try:
+            proposals = self.proposer.propose([output.scheduled[i][0] for i in eligible], limits)
+        except Exception:  # noqa: BLE001 - drafts only save time: the step goes on without them
+            logger.exception("the %s proposer failed; this step does not speculate",
+                             self.cfg.speculative_config.method)
+            return none
         for i, draft in zip(eligible, proposals):
             request = output.scheduled[i][0]
             draft = list(draft)[:room]

@@ -85,5 +85,9 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     assert "executables compiled in" in shapes
     assert "prefill token buckets" in shapes and "decode batch buckets" in shapes
     assert "XLA compilations while serving: 0" in _text_output(_cell(nb, "no-new-compiles"))
+    speculative = _text_output(_cell(nb, "speculative"))
+    assert "same text: True" in speculative and "draft tokens accepted: " in speculative
+    steps = [int(line.split(" tokens in ")[1].split()[0]) for line in speculative.splitlines() if " steps, " in line]
+    assert len(steps) == 2 and steps[1] < steps[0], speculative  # fewer steps with speculation
     split = _text_output(_cell(nb, "tensor-parallel"))
     assert "tensor parallel over 2 cpu devices" in split and "same text: True" in split

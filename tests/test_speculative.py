@@ -199,3 +199,20 @@ def test_speculative_config_defaults_and_its_conflict_with_async_scheduling():
     result = subprocess.run([sys.executable, "-m", "jaxserve.cli", "serve", "--speculative-config", '{"method": 1}'],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "--speculative-config: speculative_config: method must be one of" in result.stderr
+
+
+def test_a_failing_proposer_costs_the_step_its_drafts_only(model_dir):
+    """Drafts only save time: a proposer that raises leaves the step without drafts, and the outputs are
+    those of no speculation."""
+    config = dict(CONFIGS["ample"], **WIDE)
+    llm = LLM(model_dir[0], **config, speculative_config=NGRAM)
+
+    class Broken:
+        def propose(self, requests, limits):
+            raise RuntimeError("broken proposer")
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p + p[:6]} for p in _prompts(seed=5)[:3]]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.engine.proposer = Broken()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
