@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import numpy as np
+import openai
 import pytest
 import scipy.stats
 import torch
@@ -26,6 +27,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.engine_config import EngineConfig
 from jaxserve.errors import InvalidParameter
 from jaxserve.speculative import SpeculativeConfig, accepted_run, ngram_propose
+from server_helpers import API_KEY, TINY_FLAGS, metric, metric_samples, run_server
 from test_async_scheduling import CONFIGS, _assert_same_outputs, _prompts, _workload
 from tiny_models import make_tiny_model
 
@@ -216,3 +218,22 @@ def test_a_failing_proposer_costs_the_step_its_drafts_only(model_dir):
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     llm.engine.proposer = Broken()
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+
+
+def test_the_server_streams_several_tokens_a_chunk_and_counts_drafts(tiny_model_dir):
+    """`jaxserve serve --speculative-config`: a streamed greedy completion joins to the non-streamed text,
+    carries a logprob per token while some chunks hold several tokens, and /metrics counts the drafts."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+    with run_server([str(tiny_model_dir("llama")), *TINY_FLAGS, "--speculative-config", spec]) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        args = dict(model=client.models.list().data[0].id, prompt="abcabcabcabc", max_tokens=24, temperature=0,
+                    logprobs=1, extra_body={"ignore_eos": True})
+        whole = client.completions.create(**args).choices[0]
+        chunks = [c.choices[0] for c in client.completions.create(stream=True, **args) if c.choices]
+        assert "".join(c.text for c in chunks) == whole.text
+        per_chunk = [len(c.logprobs.tokens) for c in chunks if c.logprobs]
+        assert sum(per_chunk) == 24 == len(whole.logprobs.tokens) and max(per_chunk) > 1, per_chunk
+        samples = metric_samples(srv.url)
+        assert metric(samples, "jaxserve:spec_decode_num_accepted_tokens_total") > 0
+        assert metric(samples, "jaxserve:spec_decode_num_draft_tokens_total") >= metric(
+            samples, "jaxserve:spec_decode_num_accepted_tokens_total")
