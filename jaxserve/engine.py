@@ -29,7 +29,7 @@ from jaxserve.page_pool import PagePool
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling import SamplerOutput, SamplingParams
 from jaxserve.scheduler import Scheduler, SchedulerOutput
-from jaxserve.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE, SpecDecodeStats, accepted_run, make_proposer
+from jaxserve.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE, SpecDecodeStats, NgramProposer, accepted_run
 from jaxserve.structured_output import Grammars
 from jaxserve.weights import LoadedModel, load_model
 
@@ -43,6 +43,15 @@ def resolve_async_scheduling(setting: bool | None, platform: str, speculative: b
     """Unset: on where the device runs apart from the host (a GPU); a CPU's host work and XLA share the cores.
     Speculative decoding proposes from the tokens read: it runs synchronously."""
     return setting if setting is not None else platform == "gpu" and not speculative
+
+
+def _make_proposer(spec, model_cfg, cfg: EngineConfig):
+    """speculative_config's proposer, for a target model (its ModelConfig) served with cfg."""
+    if spec.method == "ngram":
+        return NgramProposer(spec)
+    from jaxserve.draft_model import DraftModelProposer  # loads a model: only when asked for
+
+    return DraftModelProposer(spec, model_cfg, cfg)
 
 
 @dataclasses.dataclass
@@ -82,7 +91,7 @@ class LLMEngine:
                                                          cfg.speculative_config is not None)
         # Speculative decoding (speculative.py): drafts proposed for decode rows, verified in the step
         spec = cfg.speculative_config
-        self.proposer = make_proposer(spec, self.model_cfg, cfg) if spec else None
+        self.proposer = _make_proposer(spec, self.model_cfg, cfg) if spec else None
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec else None
         self.spec_max_batch = (spec.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE) if spec else 0
         self._launched: _LaunchedStep | None = None  # launched, tokens not read yet (async scheduling)

@@ -94,14 +94,6 @@ class Proposer(Protocol):
         proposer that keeps state per request drops that of requests no longer running when called."""
 
 
-def make_proposer(spec: SpeculativeConfig, model_cfg, engine_cfg) -> Proposer:
-    """The proposer of `spec.method` for a target model (its ModelConfig) served with engine_cfg."""
-    if spec.method == "ngram":
-        return NgramProposer(spec)
-    from jaxserve.draft_model import DraftModelProposer  # loads a model: only when asked for
-    return DraftModelProposer(spec, model_cfg, engine_cfg)
-
-
 def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """The k tokens that followed the latest earlier occurrence of the longest suffix of `tokens` of length
     max_n down to min_n that occurs earlier (of the occurrences with k tokens after them, if any: in a

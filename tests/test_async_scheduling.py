@@ -44,7 +44,7 @@ def engines(request, model_dir) -> tuple[LLM, LLM]:
     return LLM(model_dir, **config, async_scheduling=False), LLM(model_dir, **config, async_scheduling=True)
 
 
-def _prompts(seed: int = 0) -> list[list[int]]:
+def random_prompts(seed: int = 0) -> list[list[int]]:
     """12 prompts of 1..120 tokens, several sharing a 40-token prefix (prefix cache) and several longer
     than the 32-token budget (chunked prefill)."""
     rng = random.Random(seed)
@@ -62,9 +62,9 @@ def _ascii_pair(text: str) -> str | None:
     return None
 
 
-def _workload(llm: LLM) -> list[tuple[list[int], SamplingParams]]:
+def workload(llm: LLM) -> list[tuple[list[int], SamplingParams]]:
     """Every kind of request on the 12 prompts, its stops taken from a first greedy run (with `llm`)."""
-    prompts = _prompts()
+    prompts = random_prompts()
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     first = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)]
     work = []
@@ -100,7 +100,7 @@ def _run(llm: LLM, work) -> list:
     return [c for o in outputs for c in o.outputs]
 
 
-def _assert_same_outputs(sync_outputs, async_outputs) -> None:
+def assert_same_outputs(sync_outputs, async_outputs) -> None:
     assert len(sync_outputs) == len(async_outputs)
     for a, b in zip(sync_outputs, async_outputs):
         assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (b.token_ids, b.text, b.finish_reason,
@@ -120,10 +120,10 @@ def test_outputs_pages_and_counts_are_the_same_with_async_scheduling(engines):
     max_tokens 1 and 2, with chunked prefill and prefix caching, and (small pool) preemption."""
     sync, async_ = engines
     assert (sync.engine.async_scheduling, async_.engine.async_scheduling) == (False, True)
-    work = _workload(sync)
-    assert _workload(async_) == work  # the first greedy run agrees too
+    work = workload(sync)
+    assert workload(async_) == work  # the first greedy run agrees too
     sync_outputs, async_outputs = _run(sync, work), _run(async_, work)
-    _assert_same_outputs(sync_outputs, async_outputs)
+    assert_same_outputs(sync_outputs, async_outputs)
 
     reasons = {(o.finish_reason, type(o.stop_reason).__name__) for o in sync_outputs}
     assert {("length", "NoneType"), ("stop", "int"), ("stop", "str")} <= reasons  # every kind of end happened
@@ -152,7 +152,7 @@ def test_an_abort_mid_stream_ends_the_same_way(engines):
     for llm in engines:
         engine = llm.engine
         params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-        requests = [engine.add_request(p, params) for p in _prompts(seed=1)[:6]]
+        requests = [engine.add_request(p, params) for p in random_prompts(seed=1)[:6]]
         victim = requests[2]
         while engine.has_unfinished:
             engine.step()
@@ -184,7 +184,7 @@ def test_async_scheduling_launches_step_n_plus_1_before_reading_step_n(engines):
         runner.launch, runner.fetch = logged_launch, logged_fetch
         try:
             params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-            outputs = llm.generate([{"prompt_token_ids": p} for p in _prompts(seed=2)[:4]], params, use_tqdm=False)
+            outputs = llm.generate([{"prompt_token_ids": p} for p in random_prompts(seed=2)[:4]], params, use_tqdm=False)
         finally:
             del runner.launch, runner.fetch
         results.append([o.outputs[0].token_ids for o in outputs])

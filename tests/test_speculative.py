@@ -28,7 +28,7 @@ from jaxserve.engine_config import EngineConfig
 from jaxserve.errors import InvalidParameter
 from jaxserve.speculative import SpeculativeConfig, accepted_run, ngram_propose
 from server_helpers import API_KEY, TINY_FLAGS, metric, metric_samples, run_server
-from test_async_scheduling import CONFIGS, _assert_same_outputs, _prompts, _workload
+from test_async_scheduling import CONFIGS, assert_same_outputs, random_prompts, workload
 from tiny_models import make_tiny_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
@@ -63,10 +63,10 @@ def test_outputs_are_the_same_with_prompt_lookup(engines):
     """Every kind of request of test_async_scheduling.py's workload, token for token, with drafts both
     accepted and rejected along the way, no page leaked and nothing compiled after warm-up."""
     base, spec = engines
-    work = _workload(base)
-    assert _workload(spec) == work
+    work = workload(base)
+    assert workload(spec) == work
     stats_before = dict(spec.get_stats()["spec_decode"])
-    _assert_same_outputs(_run_in_waves(base, work), _run_in_waves(spec, work))
+    assert_same_outputs(_run_in_waves(base, work), _run_in_waves(spec, work))
     s, stats = spec.get_stats(), spec.get_stats()["spec_decode"]
     drafted = stats["num_draft_tokens"] - stats_before["num_draft_tokens"]
     accepted = stats["num_accepted_tokens"] - stats_before["num_accepted_tokens"]
@@ -81,7 +81,7 @@ def test_outputs_are_the_same_with_prompt_lookup(engines):
 def test_an_abort_mid_run_keeps_a_prefix_and_frees_every_page(engines):
     base, spec = engines
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    prompts = [p + p[:6] for p in _prompts(seed=3)[:4]]  # repeats: prompt lookup finds drafts
+    prompts = [p + p[:6] for p in random_prompts(seed=3)[:4]]  # repeats: prompt lookup finds drafts
     full = [o.outputs[0].token_ids for o in base.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                           use_tqdm=False)]
     engine = spec.engine
@@ -162,7 +162,7 @@ def test_speculation_is_off_in_batches_above_disable_by_batch_size(model_dir):
 
     llm.engine._propose = logged
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in _prompts(seed=4)[:5]], params, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": p} for p in random_prompts(seed=4)[:5]], params, use_tqdm=False)
     calls = [b - a for (_, a), (_, b) in itertools.pairwise([(0, 0)] + steps)]
     assert any(n <= 2 for n, _ in steps) and any(n > 2 for n, _ in steps)
     assert all(call == 0 for (n, _), call in zip(steps, calls) if n > 2)
@@ -214,7 +214,7 @@ def test_a_failing_proposer_costs_the_step_its_drafts_only(model_dir):
             raise RuntimeError("broken proposer")
 
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    prompts = [{"prompt_token_ids": p + p[:6]} for p in _prompts(seed=5)[:3]]
+    prompts = [{"prompt_token_ids": p + p[:6]} for p in random_prompts(seed=5)[:3]]
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     llm.engine.proposer = Broken()
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
