@@ -48,3 +48,12 @@ def tiny_model_dir(tmp_path_factory):
         return cache[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    """The default model at the limits the default-model tests share (512 tokens, 8 sequences, 128 tokens a
+    step), loaded and compiled once per session."""
+    from jaxserve import LLM
+
+    return LLM(None, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128)

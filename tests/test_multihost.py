@@ -22,7 +22,7 @@ import time
 import httpx
 import pytest
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import SamplingParams
 from server_helpers import REPO_ROOT, free_port, run_server
 
 DEFAULT_FLAGS = ["--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "128"]
@@ -50,11 +50,9 @@ def _group(flags: list[str]):
 
 
 @pytest.mark.default_model
-def test_two_processes_serve_the_default_model_and_a_dead_follower_fails_fast():
-    one = LLM(None, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128)
-    expected = [out.outputs[0].text for out in one.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24),
-                                                            use_tqdm=False)]
-    del one
+def test_two_processes_serve_the_default_model_and_a_dead_follower_fails_fast(default_llm):
+    expected = [out.outputs[0].text for out in default_llm.generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)]
     with _group(DEFAULT_FLAGS) as (leader, follower):
         for prompt, want in zip(PROMPTS, expected):
             reply = httpx.post(leader.url + "/v1/completions", timeout=120,
