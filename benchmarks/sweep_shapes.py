@@ -8,7 +8,9 @@ Two sweeps share the servers: prompt lengths at --fixed-output-len output tokens
 defaults except what the machine forces on both: max_model_len (8192 by default) and the KV cache size
 (--kv-cache-gib, so that 8 sequences of the longest prompt fit and neither engine preempts). vLLM-CPU
 gets its best configuration here (its model's OpenMP threads bound to every core, none reserved, as
-compare_vllm.py sets up); `--budget N` adds a jaxserve server with a token budget of N per step.
+compare_vllm.py sets up) in each --vllm-dtype (float32: jaxserve's precision; bfloat16: vLLM's default
+here, which casts float32 weights to bfloat16 on a CPU that has bfloat16 instructions). `--budget N` adds a
+jaxserve server with a token budget of N per step, `--jaxserve-variant 'NAME=FLAGS'` one with those flags.
 Each point: `jaxserve bench serve` (random prompts, --ignore-eos, new prompts every round, the same for
 every engine), engines alternating, medians of --rounds. Writes shapes.json, shapes.md (the tables) and
 shapes.png (output throughput, median and p99 TTFT, median ITL against length) into --out-dir.
@@ -28,6 +30,10 @@ from compare_vllm import REPO, export_model, log, median_run, server, setup_vllm
 
 METRICS = [("output_throughput", "output tok/s", "{:.1f}"), ("median_ttft_ms", "median TTFT (ms)", "{:.0f}"),
            ("p99_ttft_ms", "p99 TTFT (ms)", "{:.0f}"), ("median_itl_ms", "median ITL (ms)", "{:.1f}")]
+
+
+def slug(name: str) -> str:
+    return name.replace(" ", "").replace(",", "-")
 
 
 def bench(port: int, input_len: int, output_len: int, concurrency: int, seed: int, hf_dir: Path, out: Path) -> dict:
@@ -86,6 +92,10 @@ def main() -> None:
     parser.add_argument("--kv-cache-gib", type=int, default=4)
     parser.add_argument("--budget", type=int, default=None,
                         help="also a jaxserve server with this token budget (max_num_batched_tokens)")
+    parser.add_argument("--jaxserve-variant", action="append", default=[], metavar="NAME=FLAGS",
+                        help="also a jaxserve server with these flags, named NAME (repeatable)")
+    parser.add_argument("--vllm-dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
+                        help="a vLLM server per dtype")
     parser.add_argument("--no-vllm", action="store_true", help="jaxserve only (no vLLM virtualenv needed)")
     parser.add_argument("--jaxserve-args", default="", help="more flags for the default jaxserve server")
     parser.add_argument("--seed", type=int, default=0)
@@ -107,25 +117,30 @@ def main() -> None:
     if args.budget:
         servers[f"jaxserve, budget {args.budget}"] = (servers["jaxserve"][0] + [
             "--max-num-batched-tokens", str(args.budget)], {})
+    for variant in args.jaxserve_variant:
+        name, _, flags = variant.partition("=")
+        servers[name] = (servers["jaxserve"][0] + flags.split(), {})
     if not args.no_vllm:
         vllm_python = setup_vllm(args.work_dir / "vllm-venv")
         best = vllm_configs(sorted(os.sched_getaffinity(0)))["vllm-cpu-best"]
-        servers["vllm-cpu-best"] = ([str(vllm_python), "-m", "vllm.entrypoints.cli.main", "serve", str(hf_dir),
-                                     "--dtype", "float32", "--served-model-name", "SmolLM2-135M-Instruct", *common],
-                                    {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
-                                    | best["env"])
+        for dtype in args.vllm_dtype:
+            name = "vllm-cpu-best" + ("" if dtype == "float32" else f", {dtype}")
+            servers[name] = ([str(vllm_python), "-m", "vllm.entrypoints.cli.main", "serve", str(hf_dir),
+                              "--dtype", dtype, "--served-model-name", "SmolLM2-135M-Instruct", *common],
+                             {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
+                             | best["env"])
     ports = {name: 8400 + i for i, name in enumerate(servers)}
     runs = {name: {} for name in servers}
     with contextlib.ExitStack() as stack:
         for name, (cmd, env) in servers.items():
             stack.enter_context(server(name, cmd + ["--port", str(ports[name])], ports[name],
-                                       raw / f"shapes-{name.replace(' ', '').replace(',', '-')}.log", env))
+                                       raw / f"shapes-{slug(name)}.log", env))
         for round_no in range(args.rounds):
             for point in points:
                 for c in args.concurrency:
                     seed = args.seed + 1000 * (round_no + 1) + 7 * point[0] + point[1] + c  # new prompts, shared
                     for name in servers:
-                        tag = f"{name.replace(' ', '').replace(',', '-')}-{point[0]}x{point[1]}-c{c}-r{round_no}"
+                        tag = f"{slug(name)}-{point[0]}x{point[1]}-c{c}-r{round_no}"
                         s = bench(ports[name], *point, c, seed, hf_dir, raw / f"shapes-{tag}.json")
                         runs[name].setdefault((point, c), []).append(s)
                         log(f"round {round_no + 1}/{args.rounds} {point[0]} in / {point[1]} out c{c} {name}: "
@@ -140,7 +155,7 @@ def main() -> None:
         for c in args.concurrency:
             cells = [" / ".join(fmt.format(medians[n][point, c][key]) for n in names) for key, _, fmt in METRICS]
             lines.append(f"| {point[0]} / {point[1]} | {c} | " + " | ".join(cells) + " |")
-    text = "\n".join([f"SmolLM2-135M-Instruct, float32, random prompts, --ignore-eos; median of {args.rounds} "
+    text = "\n".join([f"SmolLM2-135M-Instruct (float32 weights), random prompts, --ignore-eos; median of {args.rounds} "
                       f"alternating rounds; every engine at its defaults with max_model_len {args.max_model_len} and a "
                       f"{args.kv_cache_gib} GiB KV cache; servers: " + "; ".join(
                           f"{n}: {' '.join(Path(x).name if x.startswith('/') else x for x in cmd)}"

@@ -114,14 +114,19 @@ def resolve_attention_backend(requested: str, model_cfg: ModelConfig, engine_cfg
 
 
 def resolve_matmul_backend(requested: str, engine_cfg: EngineConfig, platform: str | None = None) -> str:
-    """"cpu" (the weights packed for `cpu_ffi.matmul`) or "xla", for `platform` (None: this machine).
-    Raises ValueError when an explicit "cpu" cannot run."""
+    """"cpu" or "cpu-bf16" (the weights packed for `cpu_ffi.matmul`, in float32 or bfloat16) or "xla", for
+    `platform` (None: this machine). Raises ValueError when an explicit "cpu" or "cpu-bf16" cannot run."""
     assert requested in MATMUL_BACKENDS, requested
     if requested == "xla":
         return "xla"
     platform = platform or jax.default_backend()
     if requested == "auto" and platform != "cpu":
         return "xla"
+    if requested == "cpu-bf16":
+        reason = _cpu_kernel_error(engine_cfg, platform)
+        if reason:
+            raise ValueError(f"matmul_backend='cpu-bf16' cannot run this model: {reason}")
+        return requested
     return _cpu_or_xla("matmul_backend", requested, engine_cfg, platform, "XLA's dot")
 
 

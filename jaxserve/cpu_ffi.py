@@ -10,7 +10,9 @@
   the kernel keeps a few rows' accumulators in registers and streams each panel once, which is
   faster there and no slower on prompt-sized matmuls (benchmarks/results/cpu_kernels_history.md).
   `silu_gated_matmul` computes a gated MLP's silu(x @ w_gate) * (x @ w_up) in the same kernel from
-  the packed [w_gate | w_up], and writes only the product.
+  the packed [w_gate | w_up], and writes only the product. Packed in bfloat16 (`matmul_backend
+  "cpu-bf16"`), the weights are multiplied with x rounded to bfloat16 and summed in float32: on a CPU
+  with AVX512-BF16 (vdpbf16ps) twice float32's multiply rate, and half the weight bytes everywhere.
 
 Both spread their work over XLA's own intra-op threads. They need a C++ compiler (`c++`, or $CXX)
 once: the library is cached under ~/.cache/jaxserve/kernels (JAXSERVE_KERNEL_CACHE moves it), keyed
@@ -22,7 +24,7 @@ that `-march=native` predefines, `__AVX2__`, `__AVX512F__`, `__ARM_FEATURE_SVE` 
 instruction sets the library may use, on any OS, with GCC or clang) and, on Linux, the `flags` line
 of /proc/cpuinfo, which also tells apart CPUs whose differences no macro names; a key a little finer
 than needed costs at most a rebuild. Compiler warnings (-Wall) go to the log. Without a compiler `kernel_error()` says why, and the engine keeps
-XLA's attention and dot. float32 only.
+XLA's attention and dot. Activations and pages are float32.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ TARGETS = {  # FFI target -> handler symbol
     "jaxserve_paged_row_attention": "JaxservePagedRowAttention",
     "jaxserve_packed_matmul": "JaxservePackedMatmul",
     "jaxserve_packed_gated_matmul": "JaxservePackedGatedMatmul",
+    "jaxserve_packed_matmul_bf16": "JaxservePackedMatmulBf16",
+    "jaxserve_packed_gated_matmul_bf16": "JaxservePackedGatedMatmulBf16",
 }
 PANEL_WIDTH = 48  # columns per packed panel: kPanelWidth in packed_matmul.cc, which checks it
 _registered = False  # XLA keeps the first handler registered under a target for the process
@@ -190,15 +194,18 @@ def paged_row_attention(q, k_pages, v_pages, layer, kv_lens, row_seqs, block_tab
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["data"], meta_fields=["n"])
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
-    """A float32 weight w [K, n] for `matmul`, stored as data [ceil(n / PANEL_WIDTH), K, PANEL_WIDTH]:
-    each panel of PANEL_WIDTH columns is one contiguous run of K rows, zero-padded past n."""
+    """A weight w [K, n] for `matmul`, packed in column panels of PANEL_WIDTH columns, each one contiguous
+    run of K rows, zero-padded past n. float32: data [ceil(n / PANEL_WIDTH), K, PANEL_WIDTH]. bfloat16:
+    data [panels, K / 2, 2 PANEL_WIDTH], rows 2i and 2i + 1 interleaved column by column, so that each
+    32-bit lane holds the pair (w[2i, c], w[2i + 1, c]) the kernel multiplies at once."""
 
     data: jax.Array
     n: int
 
     @classmethod
-    def pack(cls, w, num_shards: int = 1) -> PackedWeight:
-        """From w [K, n]; a numpy w is packed on the host, a jax one (or shapes) by XLA.
+    def pack(cls, w, num_shards: int = 1, dtype=np.float32) -> PackedWeight:
+        """From w [K, n]; a numpy w is packed on the host, a jax one (or shapes) by XLA. dtype: float32, or
+        bfloat16 (w rounded to it; K even).
 
         num_shards: w's columns are cut into that many equal blocks, each packed on its own and the
         panels concatenated, so that splitting `data` by panels gives each device its block's
@@ -210,15 +217,34 @@ class PackedWeight:
         padded = xp.pad(blocks, ((0, 0), (0, 0), (0, panels * PANEL_WIDTH - n)))
         packed = padded.reshape(num_shards, k, panels, PANEL_WIDTH).transpose(0, 2, 1, 3)
         packed = packed.reshape(num_shards * panels, k, PANEL_WIDTH)
+        if np.dtype(dtype) == jnp.bfloat16:
+            assert k % 2 == 0, f"bfloat16 packing pairs rows: K = {k} is odd"
+            pairs = packed.reshape(num_shards * panels, k // 2, 2, PANEL_WIDTH).transpose(0, 1, 3, 2)
+            packed = pairs.reshape(num_shards * panels, k // 2, 2 * PANEL_WIDTH).astype(jnp.bfloat16)
         return cls(np.ascontiguousarray(packed) if xp is np else packed, n)
 
     def columns(self, ids):
-        """w[:, ids].T, [len(ids), K]: an embedding lookup when w is a tied LM head (embed.T)."""
-        return self.data[ids // PANEL_WIDTH, :, ids % PANEL_WIDTH]
+        """w[:, ids].T, [len(ids), K] float32: an embedding lookup when w is a tied LM head (embed.T)."""
+        panels, rows, width = self.data.shape
+        if width == PANEL_WIDTH:
+            return self.data[ids // PANEL_WIDTH, :, ids % PANEL_WIDTH]
+        pairs = self.data.reshape(panels, rows, PANEL_WIDTH, 2)[ids // PANEL_WIDTH, :, ids % PANEL_WIDTH, :]
+        return pairs.reshape(-1, 2 * rows).astype(jnp.float32)  # [len(ids), K / 2, 2] -> [len(ids), K]
 
 
 def _rows_operand(x, rows):
     return jnp.asarray(x.shape[0] if rows is None else rows, jnp.int32)
+
+
+def _packed_call(target: str, x, w: PackedWeight, columns: int, rows):
+    """The kernel `target` (its _bf16 twin for bfloat16 weights, x rounded to bfloat16) -> [M, columns]."""
+    assert x.dtype == jnp.float32, "the CPU matmul kernel takes float32 activations"
+    if w.data.dtype == jnp.bfloat16:
+        target, x = f"{target}_bf16", x.astype(jnp.bfloat16)
+    else:
+        assert w.data.dtype == jnp.float32, w.data.dtype
+    out = jax.ShapeDtypeStruct((x.shape[0], columns), jnp.float32)
+    return jax.ffi.ffi_call(target, out)(x, w.data, _rows_operand(x, rows))
 
 
 def matmul(x, w, rows=None):
@@ -229,17 +255,13 @@ def matmul(x, w, rows=None):
     """
     if not isinstance(w, PackedWeight):
         return x @ w
-    assert x.dtype == jnp.float32 and w.data.dtype == jnp.float32, "the CPU matmul kernel is float32"
-    out = jax.ShapeDtypeStruct((x.shape[0], w.n), jnp.float32)
-    return jax.ffi.ffi_call("jaxserve_packed_matmul", out)(x, w.data, _rows_operand(x, rows))
+    return _packed_call("jaxserve_packed_matmul", x, w, w.n, rows)
 
 
 def silu_gated_matmul(x, w, rows=None):
     """silu(x @ w_gate) * (x @ w_up) for w = [w_gate | w_up] [K, 2 I]: one kernel call for a PackedWeight
     whose halves are whole panels (I a multiple of PANEL_WIDTH), else matmul and XLA. rows: as for matmul."""
     if isinstance(w, PackedWeight) and w.n % (2 * PANEL_WIDTH) == 0:
-        assert x.dtype == jnp.float32 and w.data.dtype == jnp.float32, "the CPU matmul kernel is float32"
-        out = jax.ShapeDtypeStruct((x.shape[0], w.n // 2), jnp.float32)
-        return jax.ffi.ffi_call("jaxserve_packed_gated_matmul", out)(x, w.data, _rows_operand(x, rows))
+        return _packed_call("jaxserve_packed_gated_matmul", x, w, w.n // 2, rows)
     gate, up = jnp.split(matmul(x, w, rows), 2, axis=-1)
     return jax.nn.silu(gate) * up

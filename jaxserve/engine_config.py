@@ -48,8 +48,9 @@ GPU = KindDefaults("a GPU", "bfloat16", 128, 2048, None, None, "the engine measu
 # auto: the Pallas kernels on a Hopper GPU when the model fits them, the C++ kernel of cpu_ffi.py on a
 # CPU with float32 pages, else XLA (attention_backends.py says why it chose).
 ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas", "pallas-interpret")
-# auto: the C++ packed-weight matmul on a CPU (float32) when it builds, else XLA's dot.
-MATMUL_BACKENDS = ("auto", "xla", "cpu")
+# auto: the C++ packed-weight matmul on a CPU (float32) when it builds, else XLA's dot. cpu-bf16: the same
+# kernel with bfloat16 weights (x rounded to bfloat16, float32 sums; activations and pages stay float32).
+MATMUL_BACKENDS = ("auto", "xla", "cpu", "cpu-bf16")
 # auto: float32 on a CPU (its fast dtype), bfloat16 on a GPU (the Pallas kernels'; float16 is not supported).
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -135,7 +136,9 @@ class EngineConfig:
     async_scheduling: bool | None = setting(
         None, "schedule step N+1 and build its inputs while step N runs, feeding N's sampled tokens to N+1 on "
               "the device; the host reads each step's tokens one step late (default: on a GPU, off on a CPU)")
-    matmul_backend: str = setting("auto", "auto: the C++ packed-weight matmul on a CPU (float32), else XLA's dot",
+    matmul_backend: str = setting("auto", "auto: the C++ packed-weight matmul on a CPU (float32), else XLA's dot; cpu-bf16: that "
+                                  "kernel with bfloat16 weights and matmul inputs, float32 sums (2x float32's rate "
+                                  "on a CPU with AVX512-BF16)",
                                   choices=MATMUL_BACKENDS)
     speculative_config: SpeculativeConfig | None = setting(
         None, "speculative decoding, as a JSON object: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
@@ -228,6 +231,7 @@ def add_engine_flags(parser: argparse.ArgumentParser, positional_model: bool = F
     group = parser.add_argument_group("engine settings")
     for f in _flag_fields():
         meta, flag = f.metadata, "--" + f.name.replace("_", "-")
+        meta = {**meta, "help": meta["help"].replace("%", "%%")}  # argparse formats help with %
         flags = (meta["short"], flag) if meta["short"] else (flag,)
         if f.type in ("bool", "bool | None"):
             default = "" if f.default is None else f" (default: {'on' if f.default else 'off'})"

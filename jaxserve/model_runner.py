@@ -163,12 +163,14 @@ class ModelRunner:
 
     def _serving_params(self, params):
         """forward's layout (per-layer arrays, fused projections; packed for the C++ matmul when
-        matmul_backend is "cpu"), with the rope tables of every position up to max_model_len. On a CPU
+        matmul_backend is "cpu" or "cpu-bf16"), with the rope tables of every position up to max_model_len. On a CPU
         the arrays are sliced as zero-copy numpy views and copied once (a jitted conversion took 3.5-4 s
         to compile and run for the default model); elsewhere the conversion runs on the device. Shapes
         only for check-lowering."""
         leaves = jax.tree.leaves(params)
-        to_serving = functools.partial(serving_params, self.model_cfg, packed=self.matmul_backend == "cpu")
+        packed = {"cpu": "float32", "cpu-bf16": "bfloat16"}.get(self.matmul_backend)
+        to_serving = functools.partial(serving_params, self.model_cfg, packed=packed is not None,
+                                       packed_dtype=packed or "float32")
         rope = functools.partial(rope_position_tables, self.model_cfg, self.cfg.max_model_len)
         if self.parallel:
             return self.parallel.place_params(params, to_serving, rope)

@@ -4,6 +4,7 @@ test_model_parity.py."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve import cpu_ffi
+from jaxserve import LLM, SamplingParams, cpu_ffi
 from jaxserve.attention_backends import resolve_matmul_backend
 from jaxserve.engine_config import EngineConfig
 from jaxserve.cpu_ffi import PANEL_WIDTH, PackedWeight, matmul
@@ -119,6 +120,75 @@ def test_one_step_calls_the_kernel_from_several_threads_without_mixing_results()
         np.testing.assert_allclose(np.asarray(got), x @ w, atol=1e-4, rtol=1e-5)
 
 
+def _bf16_rounded(a: np.ndarray) -> np.ndarray:
+    return a.astype(jnp.bfloat16).astype(np.float64)
+
+
+@needs_kernels
+@pytest.mark.parametrize("k, n", [(2, 1), (34, 47), (64, 320), (576, 960)])
+@pytest.mark.parametrize("m", [1, 9, 17])
+def test_bfloat16_packed_matmul_is_the_product_of_the_rounded_operands(m, k, n):
+    """Packed in bfloat16, the kernel multiplies x and w rounded to bfloat16 (exact products) and sums in
+    float32: it matches the float64 product of the rounded operands to float32's summation error, far
+    closer than to the unrounded product, whatever the CPU's instructions (vdpbf16ps or widening)."""
+    rng = np.random.default_rng(m * 1000 + n)
+    x = rng.standard_normal((m, k), np.float32)
+    w = rng.standard_normal((k, n), np.float32)
+    packed = PackedWeight.pack(w, dtype=jnp.bfloat16)
+    assert packed.data.dtype == jnp.bfloat16 and packed.data.shape == (-(-n // PANEL_WIDTH), k // 2, 2 * PANEL_WIDTH)
+    out = np.asarray(jax.jit(matmul)(jnp.asarray(x), jax.device_put(packed)))
+    expected = _bf16_rounded(x) @ _bf16_rounded(w)
+    np.testing.assert_allclose(out, expected, atol=2e-5 * np.sqrt(k), rtol=1e-5)
+    if k >= 64:  # rounding to 8 significant bits shows against float32 operands
+        assert np.abs(out - x.astype(np.float64) @ w.astype(np.float64)).max() > 1e-3
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [0, 5, 9, 24])
+def test_bfloat16_gated_matmul_and_row_cut(rows):
+    """silu(x @ w_gate) * (x @ w_up) from bfloat16-packed [w_gate | w_up], only the first `rows` rows."""
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((24, 576), np.float32)
+    w = rng.standard_normal((576, 4 * PANEL_WIDTH), np.float32) / 24
+    gate, up = np.split(_bf16_rounded(x) @ _bf16_rounded(w), 2, axis=-1)
+    expected = gate / (1.0 + np.exp(-gate)) * up
+    expected[rows:] = 0.0
+    packed = jax.device_put(PackedWeight.pack(w, dtype=jnp.bfloat16))
+    out = np.asarray(jax.jit(cpu_ffi.silu_gated_matmul)(jnp.asarray(x), packed, jnp.int32(rows)))
+    np.testing.assert_allclose(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_packing_in_jax_and_numpy_agree_and_columns_are_an_embedding_lookup():
+    w = np.random.default_rng(0).standard_normal((10, 100), np.float32)
+    host = PackedWeight.pack(w, dtype=jnp.bfloat16)
+    traced = jax.jit(functools.partial(PackedWeight.pack, dtype=jnp.bfloat16))(jnp.asarray(w))
+    np.testing.assert_array_equal(np.asarray(traced.data), host.data)
+    ids = jnp.asarray([0, 47, 48, 99, 5])
+    looked_up = np.asarray(jax.jit(PackedWeight.columns)(traced, ids))
+    assert looked_up.dtype == np.float32
+    np.testing.assert_array_equal(looked_up, _bf16_rounded(w)[:, np.asarray(ids)].T)
+    with pytest.raises(AssertionError, match="K = 9 is odd"):
+        PackedWeight.pack(w[:9], dtype=jnp.bfloat16)
+
+
+@needs_kernels
+def test_the_engine_runs_with_bfloat16_packed_weights(tiny_model_dir):
+    """matmul_backend="cpu-bf16": every packed matrix is bfloat16 (the rest float32) and the engine
+    generates; its greedy tokens are the float32 engine's where the margins allow (not asserted)."""
+    llm = LLM(tiny_model_dir("llama"), matmul_backend="cpu-bf16", max_model_len=64, max_num_seqs=2,
+              max_num_batched_tokens=32, block_size=8, num_kv_pages=24)
+    runner = llm.engine.runner
+    assert runner.matmul_backend == "cpu-bf16"
+    leaves = jax.tree.leaves(runner.params, is_leaf=lambda v: isinstance(v, PackedWeight))
+    packed = [leaf for leaf in leaves if isinstance(leaf, PackedWeight)]
+    assert len(packed) == 4 * runner.model_cfg.num_layers + 1  # the layers' four matrices and the LM head
+    assert all(leaf.data.dtype == jnp.bfloat16 for leaf in packed)
+    assert all(leaf.dtype == jnp.float32 for leaf in leaves if not isinstance(leaf, PackedWeight))
+    prompts = [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4, 5, 6, 7]}]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]
+
+
 @needs_kernels
 def test_auto_packs_the_weights_for_float32_on_a_cpu_and_keeps_xla_otherwise(caplog):
     f32, bf16 = EngineConfig(dtype="float32"), EngineConfig(dtype="bfloat16")
@@ -132,3 +202,8 @@ def test_auto_packs_the_weights_for_float32_on_a_cpu_and_keeps_xla_otherwise(cap
         resolve_matmul_backend("cpu", f32, platform="gpu")
     with pytest.raises(ValueError, match="matmul_backend"):
         EngineConfig(matmul_backend="blas")
+    assert resolve_matmul_backend("cpu-bf16", f32, platform="cpu") == "cpu-bf16"
+    with pytest.raises(ValueError, match="matmul_backend='cpu-bf16'.*runs on a CPU"):
+        resolve_matmul_backend("cpu-bf16", f32, platform="gpu")
+    with pytest.raises(ValueError, match="matmul_backend='cpu-bf16'.*float32"):
+        resolve_matmul_backend("cpu-bf16", bf16, platform="cpu")

@@ -76,6 +76,16 @@ def test_debug_settings_are_declared_but_not_flags():
             build_parser().parse_args(["serve", "--" + name.replace("_", "-"), "1"])
 
 
+@pytest.mark.parametrize("command", [["serve"], ["generate"], ["chat"], ["bench", "throughput"], ["bench", "serve"],
+                                     ["check-lowering"], ["convert"]])
+def test_every_command_prints_its_help(command, capsys):
+    """--help formats every setting's text (argparse reads % in it as a format: a bare one crashed it)."""
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([*command, "--help"])
+    assert exit_info.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
 def test_every_setting_has_help():
     for field in dataclasses.fields(EngineConfig):
         assert field.metadata.get("help"), f"{field.name} is not declared with setting()"

@@ -87,12 +87,13 @@ def garbage_cache(cfg: ModelConfig, seed: int = 0):
 def run(model: TinyModel, kv_cache, chunks, *, num_tokens, num_seqs, cfg=None, q_tile=16, kv_tile=128,
         packed=False):
     """One forward call; returns each real sequence's logits rows [q_len, vocab] and the cache.
-    packed: the weights packed for the C++ CPU matmul."""
+    packed: the weights packed for the C++ CPU matmul (True: in float32; "bfloat16")."""
     batch = make_batch(chunks, page_size=PAGE_SIZE, pages_per_seq=PAGES_PER_SEQ, num_tokens=num_tokens,
                        num_seqs=num_seqs)
     cfg = cfg or model.cfg
     logits, kv_cache = forward_jit(
-        serving_params(cfg, model.loaded.params, packed=packed), cfg, batch.token_ids, batch.positions, kv_cache, batch.md,
+        serving_params(cfg, model.loaded.params, packed=bool(packed),
+                       packed_dtype=packed if isinstance(packed, str) else "float32"), cfg, batch.token_ids, batch.positions, kv_cache, batch.md,
         batch.logits_indices, q_tile=q_tile, kv_tile=kv_tile,
     )
     logits = np.asarray(logits)
@@ -202,6 +203,21 @@ def test_weights_packed_for_the_cpu_matmul_match_hf(tiny, family):
     logits, seqs, _, _, _ = run_ragged_batches(model, packed=True)
     for i, (seq_logits, seq) in enumerate(zip(logits, seqs)):
         assert_matches_hf(model, seq_logits, model.hf_logits(seq), f"packed, ragged sequence {i}")
+
+
+@pytest.mark.skipif(cpu_ffi.kernel_error() is not None, reason=f"no CPU kernels: {cpu_ffi.kernel_error()}")
+@pytest.mark.parametrize("family", ["llama", "llama_untied", "gemma3"])
+def test_bfloat16_packed_weights_stay_within_bfloat16_rounding_of_hf(tiny, family):
+    """With every matrix packed in bfloat16 (matmul_backend "cpu-bf16": tied LM heads serve the embedding
+    lookup in bfloat16 too), each sequence's logits stay within bfloat16's rounding of HF's float32
+    ones: a hundredth of the logits' spread; the float32 packing stays within ATOL."""
+    model = tiny(family)
+    logits, seqs, _, _, _ = run_ragged_batches(model, packed="bfloat16")
+    for i, (seq_logits, seq) in enumerate(zip(logits, seqs)):
+        expected = model.hf_logits(seq)
+        err = float(np.abs(seq_logits - expected).max())
+        assert err <= 0.01 * float(expected.max() - expected.min()), f"{family} sequence {i}: {err:.2e}"
+        assert (seq_logits.argmax(-1) == expected.argmax(-1)).mean() >= 0.9
 
 
 @pytest.mark.parametrize("q_tile, kv_tile", [(1, 8), (4, 16)])

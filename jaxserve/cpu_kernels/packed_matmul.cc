@@ -22,12 +22,23 @@
 // Column panels are spread over XLA's intra-op threads (parallel_for.h). While a thread multiplies
 // its second row tile with a panel that is already in L2 (or its only tile, when M <= kRows), it
 // prefetches the panel it does next, one row of it per k, because otherwise the first tile of every
-// panel waits on memory. float32 only.
+// panel waits on memory.
+//
+// Two weight types, one code: float32 (above), and bfloat16 pairs (`Bf16Pairs`): w stored as
+// [panels, K / 2, kPanelWidth] 32-bit lanes, each holding w[2i, c] and w[2i + 1, c], and x as bfloat16
+// [M, K], read as the same pairs. A panel row then carries two k, and one AVX512-BF16 instruction
+// (vdpbf16ps) adds both products of 16 columns to float32 accumulators: twice float32's multiply rate
+// and half its weight bytes. Without that instruction the pairs are widened to float32 and
+// multiplied as such (the same products; only the summation order may differ).
 
 #include <algorithm>
 #include <cstdint>
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "parallel_for.h"
@@ -48,39 +59,85 @@ constexpr int kPanelWidth = 48;  // columns per packed panel; the Python side pa
 constexpr int kVectors = kPanelWidth / kLanes;
 static_assert(kPanelWidth % kLanes == 0, "a panel is a whole number of vectors");
 
+// The weights' element types. A panel row holds kPanelWidth elements of Elem; one element carries
+// kSteps consecutive k. MulAdd adds x's element times the panel row's vector j to acc.
+struct F32 {
+  using Elem = float;
+  using WVec = Vec;
+  static constexpr int kSteps = 1;
+  static WVec LoadW(const Elem* w) { return Load(w); }
+  static void MulAdd(Vec& acc, Elem x, WVec w) { acc += x * w; }
+};
+
+struct Bf16Pairs {
+  using Elem = uint32_t;  // bfloat16 bits of k = 2i in the low half, of k = 2i + 1 in the high half
+  typedef uint32_t WVec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+  static constexpr int kSteps = 2;
+  static WVec LoadW(const Elem* w) {
+    WVec v;
+    std::memcpy(&v, w, sizeof(v));
+    return v;
+  }
+  // float32 from bfloat16 bits in the high half of each lane
+  static float Widen(uint32_t bits) {
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+  }
+  static Vec Widen(WVec bits) {
+    Vec v;
+    std::memcpy(&v, &bits, sizeof(v));
+    return v;
+  }
+  static void MulAdd(Vec& acc, Elem x, WVec w) {
+#if defined(__AVX512BF16__)
+    if constexpr (kLanes == 16) {
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(x)), (__m512bh)w);
+      return;
+    }
+#endif
+    acc += Widen(x << 16) * Widen(w << 16) + Widen(x & 0xffff0000u) * Widen(w & 0xffff0000u);
+  }
+};
+
+template <typename T>
 struct Problem {
-  const float* x;  // [M, K]
-  const float* w;  // [panels, K, kPanelWidth]
-  float* y;        // [M, N], or [M, N / 2] when gated
-  int64_t m, k, n, panels;  // m: the rows multiplied, at most M
+  using Elem = typename T::Elem;
+  const Elem* x;  // [M, steps]
+  const Elem* w;  // [panels, steps, kPanelWidth]
+  float* y;       // [M, N], or [M, N / 2] when gated
+  int64_t m, steps, n, panels;  // m: the rows multiplied, at most M; steps: K / T::kSteps
+
+  const Elem* panel(int64_t b) const { return b < 0 ? nullptr : w + b * steps * kPanelWidth; }
 };
 
 // acc[r][j] = x_rows[r] . the panel's column vector j, for R rows of x; row k of `prefetch` (another
 // panel, or nullptr) is prefetched into L2 with row k of this one. Inlined, so that acc stays in
 // registers (called twice from GatedTile, GCC otherwise keeps it out of line, spilling acc to memory).
-template <int R>
-__attribute__((always_inline)) inline void Accumulate(const Problem& p, const float* x_rows, const float* w_panel,
-                                                      Vec (&acc)[R][kVectors], const float* prefetch) {
-  const int64_t k_dim = p.k;
-  for (int64_t k = 0; k < k_dim; ++k) {
+template <typename T, int R>
+__attribute__((always_inline)) inline void Accumulate(const Problem<T>& p, const typename T::Elem* x_rows,
+                                                      const typename T::Elem* w_panel, Vec (&acc)[R][kVectors],
+                                                      const typename T::Elem* prefetch) {
+  const int64_t steps = p.steps;
+  for (int64_t k = 0; k < steps; ++k) {
     if (prefetch) {
       for (int j = 0; j < kVectors; ++j) __builtin_prefetch(prefetch + k * kPanelWidth + j * kLanes, 0, 1);
     }
-    Vec w[kVectors];
-    for (int j = 0; j < kVectors; ++j) w[j] = Load(w_panel + k * kPanelWidth + j * kLanes);
+    typename T::WVec w[kVectors];
+    for (int j = 0; j < kVectors; ++j) w[j] = T::LoadW(w_panel + k * kPanelWidth + j * kLanes);
     for (int r = 0; r < R; ++r) {
-      const float xv = x_rows[r * k_dim + k];
-      for (int j = 0; j < kVectors; ++j) acc[r][j] += xv * w[j];
+      const typename T::Elem xv = x_rows[r * steps + k];
+      for (int j = 0; j < kVectors; ++j) T::MulAdd(acc[r][j], xv, w[j]);
     }
   }
 }
 
 // y[rows, panel's columns] for `rows` (<= kRows) rows of x starting at x_rows.
-template <int R>
-void Tile(const Problem& p, const float* x_rows, const float* w_panel, float* y_rows, int64_t columns,
-          const float* prefetch) {
+template <typename T, int R>
+void Tile(const Problem<T>& p, const typename T::Elem* x_rows, const typename T::Elem* w_panel, float* y_rows,
+          int64_t columns, const typename T::Elem* prefetch) {
   Vec acc[R][kVectors] = {};
-  Accumulate<R>(p, x_rows, w_panel, acc, prefetch);
+  Accumulate<T, R>(p, x_rows, w_panel, acc, prefetch);
   for (int r = 0; r < R; ++r) {
     float* out = y_rows + r * p.n;
     if (columns == kPanelWidth) {
@@ -95,79 +152,77 @@ void Tile(const Problem& p, const float* x_rows, const float* w_panel, float* y_
 
 // silu(gate) * up for R rows and gate panel `panel` (whole panels only); gate panel `prefetch` and
 // its up panel are prefetched meanwhile (-1: none).
-template <int R>
-void GatedTile(const Problem& p, const float* x_rows, int64_t panel, float* y_rows, int64_t prefetch) {
-  const auto gate_panel = [&p](int64_t b) { return b < 0 ? nullptr : p.w + b * p.k * kPanelWidth; };
-  const auto up_panel = [&p](int64_t b) { return b < 0 ? nullptr : p.w + (b + p.panels / 2) * p.k * kPanelWidth; };
-  Vec gate[R][kVectors] = {}, up[R][kVectors] = {};
-  Accumulate<R>(p, x_rows, gate_panel(panel), gate, gate_panel(prefetch));
-  Accumulate<R>(p, x_rows, up_panel(panel), up, up_panel(prefetch));
+template <typename T, int R>
+void GatedTile(const Problem<T>& p, const typename T::Elem* x_rows, int64_t panel, float* y_rows, int64_t prefetch) {
+  const auto up = [&p](int64_t b) { return b < 0 ? -1 : b + p.panels / 2; };
+  Vec gate_acc[R][kVectors] = {}, up_acc[R][kVectors] = {};
+  Accumulate<T, R>(p, x_rows, p.panel(panel), gate_acc, p.panel(prefetch));
+  Accumulate<T, R>(p, x_rows, p.panel(up(panel)), up_acc, p.panel(up(prefetch)));
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kVectors; ++j) {
-      Store(y_rows + r * (p.n / 2) + j * kLanes, jaxserve::Silu(gate[r][j]) * up[r][j]);
+      Store(y_rows + r * (p.n / 2) + j * kLanes, jaxserve::Silu(gate_acc[r][j]) * up_acc[r][j]);
     }
 }
 
 // The row tile that prefetches the thread's next panel: the second, or the only one.
-int64_t PrefetchingRow(const Problem& p) { return p.m > kRows ? kRows : 0; }
+template <typename T>
+int64_t PrefetchingRow(const Problem<T>& p) { return p.m > kRows ? kRows : 0; }
 
 // The rows of x in tiles of kRows, then one tile of the rest, against one column panel; `next`, the
 // panel this thread does next (-1: none), is prefetched meanwhile.
-template <int... R>
-void Panel(const Problem& p, int64_t panel, int64_t next, std::integer_sequence<int, R...>) {
-  using TileFn = void (*)(const Problem&, const float*, const float*, float*, int64_t, const float*);
-  static constexpr TileFn kTiles[] = {nullptr, &Tile<R + 1>...};  // kTiles[r]: a tile of r rows
+template <typename T, int... R>
+void Panel(const Problem<T>& p, int64_t panel, int64_t next, std::integer_sequence<int, R...>) {
+  using Elem = typename T::Elem;
+  using TileFn = void (*)(const Problem<T>&, const Elem*, const Elem*, float*, int64_t, const Elem*);
+  static constexpr TileFn kTiles[] = {nullptr, &Tile<T, R + 1>...};  // kTiles[r]: a tile of r rows
   const int64_t columns = std::min<int64_t>(kPanelWidth, p.n - panel * kPanelWidth);
-  const float* w_panel = p.w + panel * p.k * kPanelWidth;
-  const float* next_panel = next < 0 ? nullptr : p.w + next * p.k * kPanelWidth;
   for (int64_t row = 0; row < p.m; row += kRows) {
     const int64_t rows = std::min<int64_t>(kRows, p.m - row);
-    kTiles[rows](p, p.x + row * p.k, w_panel, p.y + row * p.n + panel * kPanelWidth, columns,
-                 row == PrefetchingRow(p) ? next_panel : nullptr);
+    kTiles[rows](p, p.x + row * p.steps, p.panel(panel), p.y + row * p.n + panel * kPanelWidth, columns,
+                 row == PrefetchingRow(p) ? p.panel(next) : nullptr);
   }
 }
 
 // The same for gate panel `panel` and its up panel.
-template <int... R>
-void GatedPanel(const Problem& p, int64_t panel, int64_t next, std::integer_sequence<int, R...>) {
-  using TileFn = void (*)(const Problem&, const float*, int64_t, float*, int64_t);
-  static constexpr TileFn kTiles[] = {nullptr, &GatedTile<R + 1>...};
+template <typename T, int... R>
+void GatedPanel(const Problem<T>& p, int64_t panel, int64_t next, std::integer_sequence<int, R...>) {
+  using TileFn = void (*)(const Problem<T>&, const typename T::Elem*, int64_t, float*, int64_t);
+  static constexpr TileFn kTiles[] = {nullptr, &GatedTile<T, R + 1>...};
   for (int64_t row = 0; row < p.m; row += kRows) {
     const int64_t rows = std::min<int64_t>(kRows, p.m - row);
-    kTiles[rows](p, p.x + row * p.k, panel, p.y + row * (p.n / 2) + panel * kPanelWidth,
+    kTiles[rows](p, p.x + row * p.steps, panel, p.y + row * (p.n / 2) + panel * kPanelWidth,
                  row == PrefetchingRow(p) ? next : -1);
   }
 }
 
-// The operands' shapes, checked: y is [M, N] (gated: [M, N / 2], N / 2 a whole number of panels).
-ffi::Error CheckShapes(const char* name, const Problem& p, int64_t x_rows, int64_t y_rows, int64_t y_columns,
-                       bool gated) {
-  const bool ok = gated ? p.panels % 2 == 0 && y_columns * 2 == p.panels * kPanelWidth
-                        : p.panels == (p.n + kPanelWidth - 1) / kPanelWidth;
-  if (!ok || y_rows != x_rows) {
-    return ffi::Error::InvalidArgument(std::string(name) + ": operand shapes do not match");
-  }
-  return ffi::Error::Success();
-}
+// XLA's buffer types for each weight type: x and w in float32, or both in bfloat16.
+template <typename T>
+constexpr ffi::DataType kOperandType = std::is_same_v<T, F32> ? ffi::F32 : ffi::BF16;
 
-template <bool kGated>
-ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> rows,
-                  ffi::ResultBuffer<ffi::F32> y) {
-  const char* name = kGated ? "packed_gated_matmul" : "packed_matmul";
+// y = x @ w (gated: silu(x @ w_gate) * (x @ w_up)) with x [M, K], w packed [panels, K / kSteps,
+// kPanelWidth] (in T's elements: bfloat16 pairs are 2 * kPanelWidth bfloat16), y [M, N] (gated:
+// [M, N / 2], N / 2 a whole number of panels), float32.
+template <typename T, bool kGated>
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<kOperandType<T>> x, ffi::Buffer<kOperandType<T>> w,
+                  ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y) {
+  const std::string name = std::string(kGated ? "packed_gated_matmul" : "packed_matmul") +
+                           (std::is_same_v<T, F32> ? "" : "_bf16");
   const auto x_dims = x.dimensions(), w_dims = w.dimensions(), y_dims = y->dimensions();
   if (x_dims.size() != 2 || w_dims.size() != 3 || y_dims.size() != 2) {
-    return ffi::Error::InvalidArgument(std::string(name) + ": unexpected operand ranks");
+    return ffi::Error::InvalidArgument(name + ": unexpected operand ranks");
   }
   const int64_t k = x_dims[1], panels = w_dims[0];
   const int64_t n = kGated ? 2 * y_dims[1] : y_dims[1];
-  if (w_dims[1] != k || w_dims[2] != kPanelWidth || rows.element_count() != 1) {
-    return ffi::Error::InvalidArgument(std::string(name) + ": operand shapes do not match");
-  }
+  const bool gated_ok = panels % 2 == 0 && y_dims[1] * 2 == panels * kPanelWidth;
+  const bool ok = k % T::kSteps == 0 && w_dims[1] * T::kSteps == k && w_dims[2] == kPanelWidth * T::kSteps
+                  && rows.element_count() == 1 && y_dims[0] == x_dims[0]
+                  && (kGated ? gated_ok : panels == (n + kPanelWidth - 1) / kPanelWidth);
+  if (!ok) return ffi::Error::InvalidArgument(name + ": operand shapes do not match");
   const int64_t m = std::clamp<int64_t>(rows.typed_data()[0], 0, x_dims[0]);
-  const Problem problem{x.typed_data(), w.typed_data(), y->typed_data(), m, k, n, panels};
-  if (ffi::Error error = CheckShapes(name, problem, x_dims[0], y_dims[0], y_dims[1], kGated); error.failure()) {
-    return error;
-  }
+  using Elem = typename T::Elem;
+  const Problem<T> problem{reinterpret_cast<const Elem*>(x.untyped_data()),
+                           reinterpret_cast<const Elem*>(w.untyped_data()), y->typed_data(), m, k / T::kSteps, n,
+                           panels};
   std::fill(y->typed_data() + m * y_dims[1], y->typed_data() + x_dims[0] * y_dims[1], 0.0f);
   if (m == 0) return ffi::Error::Success();
   jaxserve::ParallelFor(pool, kGated ? panels / 2 : panels, [problem] {
@@ -188,13 +243,17 @@ extern "C" int JaxservePackedMatmulPanelWidth() { return kPanelWidth; }
 
 namespace {
 
-// Both handlers' signature: (x, packed w, rows) -> y, on XLA's intra-op thread pool.
+// The handlers' signature: (x, packed w, rows) -> y, on XLA's intra-op thread pool.
+template <typename T>
 auto MatmulBinding() {
-  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>();
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().template Arg<ffi::Buffer<kOperandType<T>>>()
+      .template Arg<ffi::Buffer<kOperandType<T>>>().template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::F32>>();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedMatmul, Matmul<false>, MatmulBinding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedGatedMatmul, Matmul<true>, MatmulBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedMatmul, (Matmul<F32, false>), MatmulBinding<F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedGatedMatmul, (Matmul<F32, true>), MatmulBinding<F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedMatmulBf16, (Matmul<Bf16Pairs, false>), MatmulBinding<Bf16Pairs>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedGatedMatmulBf16, (Matmul<Bf16Pairs, true>), MatmulBinding<Bf16Pairs>());

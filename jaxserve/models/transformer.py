@@ -69,12 +69,14 @@ def _fuse(parts: list, num_shards: int, xp):
     return fused.reshape(*fused.shape[:-2], -1)
 
 
-def serving_params(cfg: ModelConfig, params, packed: bool = False, num_shards: int = 1) -> dict:
+def serving_params(cfg: ModelConfig, params, packed: bool = False, num_shards: int = 1,
+                   packed_dtype: str = "float32") -> dict:
     """The loaded (stacked) params -> forward's layout: a list of per-layer dicts with
     w_qkv [hidden, (H + 2 KVH) D] (and b_qkv) and w_gate_up [hidden, 2 inter].
 
     packed: the weight matrices become `PackedWeight`s for the C++ CPU matmul, the LM head included;
-    a tied LM head is then the only copy of the embeddings (forward looks tokens up in it).
+    a tied LM head is then the only copy of the embeddings (forward looks tokens up in it). packed_dtype:
+    the packed matrices' dtype, float32 or bfloat16 (rounded; the rest of the params stay as they are).
     num_shards: the fused matrices (and packed column-split ones) are laid out shard by shard for a
     split over that many devices by output columns (tensor_parallel.py); 1 is the plain layout."""
     stacked = params["layers"]
@@ -93,9 +95,9 @@ def serving_params(cfg: ModelConfig, params, packed: bool = False, num_shards: i
     if packed:
         for lp in layers:
             for name in MATRICES:
-                lp[name] = PackedWeight.pack(lp[name], num_shards if name in COLUMN_SPLIT else 1)
+                lp[name] = PackedWeight.pack(lp[name], num_shards if name in COLUMN_SPLIT else 1, packed_dtype)
         lm_head = out.pop("embed").T if cfg.tie_word_embeddings else out["lm_head"]
-        out["lm_head"] = PackedWeight.pack(lm_head, num_shards)
+        out["lm_head"] = PackedWeight.pack(lm_head, num_shards, packed_dtype)
     return out
 
 
