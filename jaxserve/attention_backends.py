@@ -130,6 +130,17 @@ def resolve_matmul_backend(requested: str, engine_cfg: EngineConfig, platform: s
     return _cpu_or_xla("matmul_backend", requested, engine_cfg, platform, "XLA's dot")
 
 
+def matmul_hint(requested: str, resolved: str) -> str | None:
+    """The start-up line pointing at "cpu-bf16" where "auto" chose float32 on a CPU that multiplies
+    bfloat16 at twice float32's rate; None elsewhere."""
+    from jaxserve.cpu_ffi import bf16_dot_instructions
+
+    if requested != "auto" or resolved != "cpu" or not bf16_dot_instructions():
+        return None
+    return ("this CPU has AVX512-BF16: --matmul-backend cpu-bf16 (bfloat16 weights, float32 sums) runs the matmuls "
+            "about 1.7x faster; float32, the default, keeps Hugging Face's float32 tokens")
+
+
 def paged_attention(
     q,  # [T, num_heads, head_dim]
     k_pages,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]

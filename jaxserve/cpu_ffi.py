@@ -92,6 +92,13 @@ def native_target(compiler: str) -> str:
     return "\n".join(sorted(macros.splitlines()))
 
 
+def bf16_dot_instructions() -> bool:
+    """Whether the kernels are built for AVX512-BF16 here (vdpbf16ps: the bfloat16 matmul at twice float32's
+    rate); False without a compiler."""
+    compiler = os.environ.get("CXX", "c++")
+    return shutil.which(compiler) is not None and "__AVX512BF16__" in native_target(compiler)
+
+
 @functools.cache
 def compiler_identity(compiler: str) -> str:
     """The compiler's resolved path and version line: another compiler makes other code."""

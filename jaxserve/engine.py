@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 
+from jaxserve.attention_backends import matmul_hint
 from jaxserve.compilation import enable_persistent_cache, forbid_compilation, num_compilations
 from jaxserve import device_defaults, multihost
 from jaxserve.device_defaults import DeviceInfo
@@ -124,6 +125,8 @@ class LLMEngine:
         if runner.defaults:
             print(f"jaxserve: defaults for {runner.device.kind} ({device_defaults.kind_defaults(runner.device).why}): "
                   f"{', '.join(runner.defaults)}", file=sys.stderr)
+        if hint := matmul_hint(cfg.matmul_backend, runner.matmul_backend):
+            print(f"jaxserve: {hint}", file=sys.stderr)
         print(f"jaxserve: {engine.model_cfg.architecture} from {engine.model.source}; KV cache {runner.num_pages - 1} "
               f"pages x {engine.cfg.block_size} tokens = {runner.max_concurrent_tokens} max concurrent tokens "
               f"({runner.kv_cache_bytes / 2**20:.0f} MiB)", file=sys.stderr)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams, cpu_ffi
-from jaxserve.attention_backends import resolve_matmul_backend
+from jaxserve.attention_backends import matmul_hint, resolve_matmul_backend
 from jaxserve.engine_config import EngineConfig
 from jaxserve.cpu_ffi import PANEL_WIDTH, PackedWeight, matmul
 
@@ -187,6 +187,15 @@ def test_the_engine_runs_with_bfloat16_packed_weights(tiny_model_dir):
     prompts = [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4, 5, 6, 7]}]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]
+
+
+def test_start_up_points_at_cpu_bf16_only_where_auto_chose_float32_on_a_cpu_with_avx512_bf16(monkeypatch):
+    monkeypatch.setattr(cpu_ffi, "bf16_dot_instructions", lambda: True)
+    assert "--matmul-backend cpu-bf16" in matmul_hint("auto", "cpu")
+    assert matmul_hint("cpu", "cpu") is None and matmul_hint("auto", "xla") is None
+    assert matmul_hint("cpu-bf16", "cpu-bf16") is None
+    monkeypatch.setattr(cpu_ffi, "bf16_dot_instructions", lambda: False)
+    assert matmul_hint("auto", "cpu") is None
 
 
 @needs_kernels
