@@ -30,7 +30,8 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 # The engine shape of test_server's default-model test, so the executables come from the session's cache.
-SERVER_ARGS = ["--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "64"]
+# The default-model limits the other default-model tests use: their executables are compiled once a session.
+SERVER_ARGS = ["--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "128"]
 API_KEY = "chat-page-key"
 QUESTION = "What is the capital of France?"
 RUNNING = "jaxserve:num_requests_running"

@@ -93,8 +93,8 @@ def test_cli_chat_answers_paris():
     """`jaxserve chat` reads a question on stdin and answers with Paris."""
     env = dict(os.environ, JAXSERVE_COMPILATION_CACHE=os.environ.get("JAXSERVE_COMPILATION_CACHE", "off"))
     result = subprocess.run(
-        [sys.executable, "-m", "jaxserve.cli", "chat", "--max-model-len", "512", "--max-num-seqs", "4",
-         "--max-num-batched-tokens", "64"],
+        [sys.executable, "-m", "jaxserve.cli", "chat", "--max-model-len", "512", "--max-num-seqs", "8",
+         "--max-num-batched-tokens", "128"],
         input="What is the capital of France?\n", capture_output=True, text=True, timeout=600, env=env,
     )
     assert result.returncode == 0, result.stderr[-2000:]

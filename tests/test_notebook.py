@@ -90,6 +90,6 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     steps = [int(line.split(" tokens in ")[1].split()[0]) for line in speculative.splitlines() if " steps, " in line]
     assert len(steps) == 2 and steps[1] < steps[0], speculative  # fewer steps with speculation
     bf16 = _text_output(_cell(nb, "cpu-bf16"))
-    assert "cpu-bf16: 4 prompts" in bf16 and "Paris" in bf16.split("cpu-bf16 answers:")[1], bf16
+    assert "Paris" in bf16.split("cpu-bf16 answers:")[1] and "the same greedy tokens" in bf16, bf16
     split = _text_output(_cell(nb, "tensor-parallel"))
     assert "tensor parallel over 2 cpu devices" in split and "same text: True" in split

@@ -665,7 +665,7 @@ def test_health_answers_fast_while_the_engine_is_busy(client, url):
 @pytest.mark.default_model
 def test_default_model_knows_the_capital_of_france():
     """`jaxserve serve` with no model serves SmolLM2-135M-Instruct, which answers 'Paris' at temperature 0."""
-    args = ["--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "64"]
+    args = ["--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "128"]
     with run_server(args) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         [model] = client.models.list().data

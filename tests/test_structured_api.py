@@ -20,7 +20,7 @@ from server_helpers import run_server
 
 pytestmark = pytest.mark.default_model
 
-SERVER_ARGS = ["--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+SERVER_ARGS = ["--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "128",
                "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 MODEL = "SmolLM2-135M-Instruct"
 GREEDY = {"model": MODEL, "temperature": 0, "max_tokens": 120}
