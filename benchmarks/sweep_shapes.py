@@ -12,7 +12,8 @@ compare_vllm.py sets up) in each --vllm-dtype (float32: jaxserve's precision; bf
 here, which casts float32 weights to bfloat16 on a CPU that has bfloat16 instructions). `--budget N` adds a
 jaxserve server with a token budget of N per step, `--jaxserve-variant 'NAME=FLAGS'` one with those flags.
 Each point: `jaxserve bench serve` (random prompts, --ignore-eos, new prompts every round, the same for
-every engine), engines alternating, medians of --rounds. Writes shapes.json, shapes.md (the tables) and
+every engine), engines alternating, medians of --rounds. `--random-prefix-len N` starts every prompt of a
+point with the same N tokens (prefix caching on a shared document); prompt lengths then count the rest. Writes shapes.json, shapes.md (the tables) and
 shapes.png (output throughput, median and p99 TTFT, median ITL against length) into --out-dir.
 """
 
@@ -36,9 +37,11 @@ def slug(name: str) -> str:
     return name.replace(" ", "").replace(",", "-")
 
 
-def bench(port: int, input_len: int, output_len: int, concurrency: int, seed: int, hf_dir: Path, out: Path) -> dict:
+def bench(port: int, input_len: int, output_len: int, concurrency: int, seed: int, hf_dir: Path, out: Path,
+          prefix_len: int = 0) -> dict:
     subprocess.run([sys.executable, "-m", "jaxserve.cli", "bench", "serve", "--port", str(port), "--tokenizer",
                     str(hf_dir), "--num-prompts", str(max(4, 2 * concurrency)), "--input-len", str(input_len),
+                    "--random-prefix-len", str(prefix_len),
                     "--output-len", str(output_len), "--ignore-eos", "--max-concurrency", str(concurrency),
                     "--num-warmups", "1", "--seed", str(seed), "--out", str(out), "--no-progress"],
                    check=True, stdout=subprocess.DEVNULL)
@@ -86,6 +89,9 @@ def main() -> None:
     parser.add_argument("--fixed-input-len", type=int, default=256)
     parser.add_argument("--fixed-output-len", type=int, default=128)
     parser.add_argument("--points", nargs="+", default=None, help="INxOUT pairs instead of the two sweeps")
+    parser.add_argument("--random-prefix-len", type=int, default=0,
+                        help="every prompt of a round starts with the same text of this many tokens (a new one "
+                             "each round), then its own prompt tokens: prefix caching on a shared prefix")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-model-len", type=int, default=8192)
@@ -141,7 +147,8 @@ def main() -> None:
                     seed = args.seed + 1000 * (round_no + 1) + 7 * point[0] + point[1] + c  # new prompts, shared
                     for name in servers:
                         tag = f"{slug(name)}-{point[0]}x{point[1]}-c{c}-r{round_no}"
-                        s = bench(ports[name], *point, c, seed, hf_dir, raw / f"shapes-{tag}.json")
+                        s = bench(ports[name], *point, c, seed, hf_dir, raw / f"shapes-{tag}.json",
+                                  args.random_prefix_len)
                         runs[name].setdefault((point, c), []).append(s)
                         log(f"round {round_no + 1}/{args.rounds} {point[0]} in / {point[1]} out c{c} {name}: "
                             f"{s['output_throughput']:.1f} output tok/s, median TTFT {s['median_ttft_ms']:.0f} ms, "
@@ -155,7 +162,8 @@ def main() -> None:
         for c in args.concurrency:
             cells = [" / ".join(fmt.format(medians[n][point, c][key]) for n in names) for key, _, fmt in METRICS]
             lines.append(f"| {point[0]} / {point[1]} | {c} | " + " | ".join(cells) + " |")
-    text = "\n".join([f"SmolLM2-135M-Instruct (float32 weights), random prompts, --ignore-eos; median of {args.rounds} "
+    shared = f" after a shared prefix of {args.random_prefix_len} tokens" if args.random_prefix_len else ""
+    text = "\n".join([f"SmolLM2-135M-Instruct (float32 weights), random prompts{shared}, --ignore-eos; median of {args.rounds} "
                       f"alternating rounds; every engine at its defaults with max_model_len {args.max_model_len} and a "
                       f"{args.kv_cache_gib} GiB KV cache; servers: " + "; ".join(
                           f"{n}: {' '.join(Path(x).name if x.startswith('/') else x for x in cmd)}"

@@ -30,7 +30,7 @@ from jaxserve.engine_config import ATTENTION_BACKENDS, MATMUL_BACKENDS, EngineCo
 
 logger = logging.getLogger(__name__)
 
-RESOLVED_BACKENDS = ("xla", "cpu", "pallas", "pallas-interpret")
+RESOLVED_BACKENDS = ("xla", "cpu", "cpu-bf16", "pallas", "pallas-interpret")
 MIN_COMPUTE_CAPABILITY = 9.0  # Mosaic GPU kernels use wgmma and TMA (Hopper and newer)
 
 
@@ -130,6 +130,13 @@ def resolve_matmul_backend(requested: str, engine_cfg: EngineConfig, platform: s
     return _cpu_or_xla("matmul_backend", requested, engine_cfg, platform, "XLA's dot")
 
 
+def paired_attention_backend(attention: str, matmul: str) -> str:
+    """The resolved attention backend given the resolved matmul one: "cpu-bf16" (the C++ kernel with the
+    products of its prompt tiles in bfloat16, `cpu_ffi.paged_row_attention`'s bf16_products) where
+    the matmuls are "cpu-bf16" and attention is the C++ kernel, else `attention` unchanged."""
+    return "cpu-bf16" if attention == "cpu" and matmul == "cpu-bf16" else attention
+
+
 def matmul_hint(requested: str, resolved: str) -> str | None:
     """The start-up line pointing at "cpu-bf16" where "auto" chose float32 on a CPU that multiplies
     bfloat16 at twice float32's rate; None elsewhere."""
@@ -165,9 +172,9 @@ def paged_attention(
     if backend == "xla":
         return ragged_paged_attention(q, k_pages, v_pages, layer, md, scale=scale, sliding_window=sliding_window,
                                       soft_cap=soft_cap, q_tile=q_tile, kv_tile=kv_tile, decode_only=decode_only)
-    if backend == "cpu":
+    if backend in ("cpu", "cpu-bf16"):
         return _cpu_kernel_attention(q, k_pages, v_pages, layer, md, scale=scale, sliding_window=sliding_window,
-                                     soft_cap=soft_cap)
+                                     soft_cap=soft_cap, bf16_products=backend == "cpu-bf16")
     from pallas_kernels import decode_attention, ragged_paged_attention as pallas_ragged
 
     kernel = decode_attention if decode_only else pallas_ragged
@@ -176,7 +183,7 @@ def paged_attention(
 
 
 def _cpu_kernel_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *, scale: float, sliding_window,
-                          soft_cap: float):
+                          soft_cap: float, bf16_products: bool):
     """Every query row (decode rows and prompt-chunk rows alike) to the C++ kernel of `cpu_ffi.py`, one
     call per layer: it needs each row's sequence and causal key count, which the ragged metadata
     gives per sequence."""
@@ -188,4 +195,5 @@ def _cpu_kernel_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *, 
     positions = md.kv_lens[seqs] - md.cu_q_lens[seqs + 1] + rows  # kv_len - q_len + row offset
     kv_lens = jnp.where(rows < md.cu_q_lens[-1], positions + 1, 0)  # padding rows: nothing
     return paged_row_attention(q, k_pages, v_pages, layer, kv_lens, seqs, md.block_tables, scale=scale,
-                               sliding_window=sliding_window, soft_cap=soft_cap).astype(q.dtype)
+                               sliding_window=sliding_window, soft_cap=soft_cap,
+                               bf16_products=bf16_products).astype(q.dtype)

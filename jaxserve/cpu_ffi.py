@@ -187,15 +187,19 @@ def _build_and_register() -> str | None:
 
 
 def paged_row_attention(q, k_pages, v_pages, layer, kv_lens, row_seqs, block_tables, *, scale: float,
-                        sliding_window=0, soft_cap: float = 0.0):
+                        sliding_window=0, soft_cap: float = 0.0, bf16_products: bool = False):
     """Attention of query rows q [R, H, D]: row r attends to keys 0..kv_lens[r]-1 of the pages
     [num_layers, num_pages, page_size, KVH, D] of `layer`, through block_tables[row_seqs[r]];
-    [R, H, D] float32, zeros where kv_len is 0."""
+    [R, H, D] float32, zeros where kv_len is 0.
+
+    bf16_products: the prompt tiles' two products take operands rounded to bfloat16 (float32 sums),
+    where the kernels are built for AVX512-BF16 (`bf16_dot_instructions`); ignored elsewhere."""
     assert k_pages.dtype == jnp.float32, "the CPU kernel reads float32 pages"
     call = jax.ffi.ffi_call("jaxserve_paged_row_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     return call(q.astype(jnp.float32), k_pages, v_pages, i32(layer), i32(kv_lens), i32(row_seqs), i32(block_tables),
-                i32(sliding_window), scale=np.float32(scale), soft_cap=np.float32(soft_cap))
+                i32(sliding_window), scale=np.float32(scale), soft_cap=np.float32(soft_cap),
+                bf16_products=np.int32(bf16_products))
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["data"], meta_fields=["n"])

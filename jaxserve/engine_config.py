@@ -138,7 +138,7 @@ class EngineConfig:
               "the device; the host reads each step's tokens one step late (default: on a GPU, off on a CPU)")
     matmul_backend: str = setting("auto", "auto: the C++ packed-weight matmul on a CPU (float32), else XLA's dot; cpu-bf16: that "
                                   "kernel with bfloat16 weights and matmul inputs, float32 sums (2x float32's rate "
-                                  "on a CPU with AVX512-BF16)",
+                                  "on a CPU with AVX512-BF16; prompt attention's products in bfloat16 there too)",
                                   choices=MATMUL_BACKENDS)
     speculative_config: SpeculativeConfig | None = setting(
         None, "speculative decoding, as a JSON object: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "

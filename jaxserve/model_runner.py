@@ -26,7 +26,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve import compilation, device_batch, device_defaults
-from jaxserve.attention_backends import resolve_attention_backend, resolve_matmul_backend
+from jaxserve.attention_backends import paired_attention_backend, resolve_attention_backend, resolve_matmul_backend
 from jaxserve.config import ModelConfig
 from jaxserve.device_defaults import DeviceInfo, MemoryUse
 from jaxserve.engine_config import EngineConfig
@@ -115,6 +115,7 @@ class ModelRunner:
         self.attention_backend = resolve_attention_backend(engine_cfg.attention_backend, self.device_cfg, engine_cfg,
                                                            platform)
         self.matmul_backend = resolve_matmul_backend(engine_cfg.matmul_backend, engine_cfg, platform)
+        self.attention_backend = paired_attention_backend(self.attention_backend, self.matmul_backend)
         self.params = self._serving_params(params)
         # What this process read of LazyTensor params (its devices' slices) out of the whole model's bytes
         self.weight_bytes_read, self.weight_bytes_total = lazy.bytes_read(params), lazy.total_bytes(params)

@@ -90,6 +90,20 @@ def test_random_dataset_lengths_seed_and_range():
         random_requests(tokenizer, 1, 10, 10, range_ratio=1.0)
 
 
+def test_random_prefix_len_shares_one_prefix_then_each_prompt_its_own_tokens():
+    """--random-prefix-len (vLLM's name): every prompt starts with the same prefix_len tokens, then its own."""
+    tokenizer = byte_tokenizer()
+    requests = random_requests(tokenizer, 6, input_len=30, output_len=5, seed=1, prefix_len=80)
+    ids = [tokenizer.encode(r.prompt, add_special_tokens=False) for r in requests]
+    assert all(len(i) == r.prompt_len for i, r in zip(ids, requests))
+    assert all(76 <= r.prompt_len - 30 <= 84 for r in requests)  # the prefix's length, up to a boundary merge
+    assert all(i[:76] == ids[0][:76] for i in ids)
+    assert len({tuple(i[80:]) for i in ids}) == len(ids)  # the rest differs
+    assert random_requests(tokenizer, 6, input_len=30, output_len=5, seed=1)[0].prompt_len == 30
+    with pytest.raises(ValueError, match="prefix_len"):
+        random_requests(tokenizer, 1, 10, 10, prefix_len=-1)
+
+
 def test_jsonl_dataset_cycles_and_names_bad_lines(tmp_path):
     tokenizer = byte_tokenizer()
     path = tmp_path / "prompts.jsonl"

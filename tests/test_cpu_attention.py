@@ -13,6 +13,7 @@ import functools
 import logging
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -64,6 +65,34 @@ def test_cpu_kernel_matches_the_reference(head_dim, page_size, group, window, so
     xla = np.asarray(jax.jit(functools.partial(ragged_paged_attention, decode_only=decode_only, q_tile=8,
                                                kv_tile=32, **kw))(q, k, v, LAYER, md))
     np.testing.assert_allclose(out, xla, atol=2e-5, rtol=1e-5)  # the engine's two CPU paths agree too
+
+
+@pytest.mark.parametrize("head_dim,page_size,group,window,soft_cap", CASES[:4])
+def test_bf16_products_round_the_prompt_tiles_operands_only(head_dim, page_size, group, window, soft_cap):
+    """backend "cpu-bf16" (the kernel's bf16_products): on an AVX512-BF16 CPU the prompt tiles multiply
+    queries, keys, softmax weights and values rounded to bfloat16, so they agree with the reference on
+    rounded q, k, v to bfloat16's precision and differ from float32's products; rows attended one by one
+    (decode rows, short runs) are float32's exactly. Without the instruction the flag changes nothing."""
+    lengths = long_chunk_lengths(page_size)
+    q, k, v, md, real_tokens = build_case(lengths, page_size=page_size, head_dim=head_dim, group=group,
+                                          dtype="float32", seed=4)
+    kw = dict(scale=head_dim ** -0.5, sliding_window=window, soft_cap=soft_cap)
+    out = {b: np.asarray(jax.jit(functools.partial(paged_attention, backend=b, **kw))(q, k, v, LAYER, md))
+           for b in ("cpu", "cpu-bf16")}
+    rows = np.cumsum([0] + [n for n, _ in lengths])
+    tiled = np.zeros(len(q), bool)  # rows in runs long enough for tiles (the kernel's kMinTileTokens: 4)
+    for (n, _), start in zip(lengths, rows):
+        tiled[start:start + n] = n >= 4
+    single = ~tiled
+    np.testing.assert_array_equal(out["cpu-bf16"][single], out["cpu"][single])
+    if not cpu_ffi.bf16_dot_instructions():
+        np.testing.assert_array_equal(out["cpu-bf16"], out["cpu"])
+        return
+    bf16 = lambda x: x.astype(jnp.bfloat16).astype(np.float32)  # noqa: E731
+    ref = np.asarray(pk.ragged_paged_attention_reference(bf16(q), bf16(k), bf16(v), LAYER, md.cu_q_lens,
+                                                         md.kv_lens, md.block_tables, **kw))
+    np.testing.assert_allclose(out["cpu-bf16"][tiled], ref[tiled], atol=2e-2, rtol=2e-2)
+    assert np.abs(out["cpu-bf16"][tiled] - out["cpu"][tiled]).max() > 1e-4, "the tiles' products stayed float32"
 
 
 def test_cpu_kernel_reads_the_layer_it_is_given_inside_a_layer_loop():

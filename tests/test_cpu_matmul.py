@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams, cpu_ffi
-from jaxserve.attention_backends import matmul_hint, resolve_matmul_backend
+from jaxserve.attention_backends import matmul_hint, paired_attention_backend, resolve_matmul_backend
 from jaxserve.engine_config import EngineConfig
 from jaxserve.cpu_ffi import PANEL_WIDTH, PackedWeight, matmul
 
@@ -179,6 +179,7 @@ def test_the_engine_runs_with_bfloat16_packed_weights(tiny_model_dir):
               max_num_batched_tokens=32, block_size=8, num_kv_pages=24)
     runner = llm.engine.runner
     assert runner.matmul_backend == "cpu-bf16"
+    assert runner.attention_backend == "cpu-bf16"  # the attention kernel's prompt tiles in bfloat16 too
     leaves = jax.tree.leaves(runner.params, is_leaf=lambda v: isinstance(v, PackedWeight))
     packed = [leaf for leaf in leaves if isinstance(leaf, PackedWeight)]
     assert len(packed) == 4 * runner.model_cfg.num_layers + 1  # the layers' four matrices and the LM head
@@ -216,3 +217,5 @@ def test_auto_packs_the_weights_for_float32_on_a_cpu_and_keeps_xla_otherwise(cap
         resolve_matmul_backend("cpu-bf16", f32, platform="gpu")
     with pytest.raises(ValueError, match="matmul_backend='cpu-bf16'.*float32"):
         resolve_matmul_backend("cpu-bf16", bf16, platform="cpu")
+    assert paired_attention_backend("cpu", "cpu-bf16") == "cpu-bf16"
+    assert paired_attention_backend("cpu", "cpu") == "cpu" and paired_attention_backend("xla", "cpu-bf16") == "xla"

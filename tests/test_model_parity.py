@@ -38,7 +38,7 @@ PAGES_PER_SEQ = 8  # 64 tokens per sequence at most
 PROMPT_LEN = 40  # longer than both sliding windows (mistral 24, gemma3 20) and 5 pages
 BATCH_TOKENS, BATCH_SEQS = 64, 6  # the shape of every call but decode
 
-forward_jit = jax.jit(forward, static_argnames=("cfg", "q_tile", "kv_tile"))
+forward_jit = jax.jit(forward, static_argnames=("cfg", "q_tile", "kv_tile", "attention_backend"))
 max_errors: dict[str, float] = {}
 
 
@@ -87,7 +87,8 @@ def garbage_cache(cfg: ModelConfig, seed: int = 0):
 def run(model: TinyModel, kv_cache, chunks, *, num_tokens, num_seqs, cfg=None, q_tile=16, kv_tile=128,
         packed=False):
     """One forward call; returns each real sequence's logits rows [q_len, vocab] and the cache.
-    packed: the weights packed for the C++ CPU matmul (True: in float32; "bfloat16")."""
+    packed: the weights packed for the C++ CPU matmul (True: in float32; "bfloat16", with the C++ attention's
+    prompt tiles in bfloat16 as the engine pairs them, backend "cpu-bf16")."""
     batch = make_batch(chunks, page_size=PAGE_SIZE, pages_per_seq=PAGES_PER_SEQ, num_tokens=num_tokens,
                        num_seqs=num_seqs)
     cfg = cfg or model.cfg
@@ -95,6 +96,7 @@ def run(model: TinyModel, kv_cache, chunks, *, num_tokens, num_seqs, cfg=None, q
         serving_params(cfg, model.loaded.params, packed=bool(packed),
                        packed_dtype=packed if isinstance(packed, str) else "float32"), cfg, batch.token_ids, batch.positions, kv_cache, batch.md,
         batch.logits_indices, q_tile=q_tile, kv_tile=kv_tile,
+        attention_backend="cpu-bf16" if packed == "bfloat16" else "xla",
     )
     logits = np.asarray(logits)
     return [logits[rows] for rows in batch.rows], kv_cache

@@ -62,14 +62,22 @@ def _text_of_length(tokenizer, rng: random.Random, length: int, pool: list[int])
 
 
 def random_requests(tokenizer, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                    seed: int = 0) -> list[BenchRequest]:
+                    seed: int = 0, prefix_len: int = 0) -> list[BenchRequest]:
+    """prefix_len (vLLM's --random-prefix-len): every prompt starts with the same text of that many tokens
+    (a shared system prompt or document, what a prefix cache serves), then its own input_len tokens."""
     in_lo, in_hi = _length_range(input_len, range_ratio)
     out_lo, out_hi = _length_range(output_len, range_ratio)
+    if prefix_len < 0:
+        raise ValueError(f"prefix_len must be at least 0, got {prefix_len}")
     pool = _token_pool(tokenizer)
     rng = random.Random(seed)
+    prefix = _text_of_length(tokenizer, rng, prefix_len, pool)[0] if prefix_len else ""
     requests = []
     for _ in range(num_prompts):
         text, num_tokens = _text_of_length(tokenizer, rng, rng.randint(in_lo, in_hi), pool)
+        if prefix:
+            text = prefix + text
+            num_tokens = len(tokenizer.encode(text, add_special_tokens=False))
         requests.append(BenchRequest(text, num_tokens, rng.randint(out_lo, out_hi)))
     return requests
 
@@ -211,6 +219,9 @@ def add_dataset_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
     parser.add_argument("--range-ratio", type=float, default=0.0,
                         help="generated datasets: lengths drawn from len*(1 -/+ ratio)")
+    parser.add_argument("--random-prefix-len", type=int, default=0,
+                        help="random dataset: every prompt starts with the same text of this many tokens, then "
+                             "its own --input-len tokens (what a prefix cache serves)")
 
 
 def requests_from_flags(args: argparse.Namespace, tokenizer, num_prompts: int) -> list[BenchRequest]:
@@ -219,5 +230,10 @@ def requests_from_flags(args: argparse.Namespace, tokenizer, num_prompts: int) -
         if args.dataset_name != "random":
             raise ValueError(f"--dataset-path and --dataset-name {args.dataset_name} exclude each other")
         return jsonl_requests(args.dataset_path, tokenizer, num_prompts, args.output_len)
+    if args.dataset_name == "random":
+        return random_requests(tokenizer, num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed,
+                               prefix_len=args.random_prefix_len)
+    if args.random_prefix_len:
+        raise ValueError(f"--random-prefix-len is for the random dataset, not {args.dataset_name}")
     return DATASETS[args.dataset_name](tokenizer, num_prompts, args.input_len, args.output_len, args.range_ratio,
                                       args.seed)

@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> dict:
         print("\n" + format_sweep({args.label: summaries}))
     report = {"label": args.label, "base_url": base_url, "model": model, "endpoint": args.endpoint,
               "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-              "range_ratio": args.range_ratio, "dataset_name": args.dataset_name, "dataset_path": args.dataset_path,
+              "range_ratio": args.range_ratio, "random_prefix_len": args.random_prefix_len, "dataset_name": args.dataset_name, "dataset_path": args.dataset_path,
               "structured_output_ratio": args.structured_output_ratio, "runs": summaries}
     if args.out:
         with open(args.out, "w") as f:

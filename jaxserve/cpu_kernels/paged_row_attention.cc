@@ -12,12 +12,20 @@
 // (__builtin_shufflevector); with an older compiler the build fails and the engine keeps XLA.
 // XLA's gather-based version (attention.py) copies every page first, on one thread.
 //
-// float32 only. A row with kv_len 0 (padding) gets zeros.
+// Pages, queries and the output are float32. With `bf16_products` set, on a CPU with AVX512-BF16, a
+// tile's two products take bfloat16 operands (queries, keys, the softmax weights and values rounded
+// to nearest, float32 sums; see TileBf16): one vdpbf16ps adds two products to 16 float32 sums,
+// twice float32's multiply rate. Elsewhere the flag is ignored (float32 is then the fast path). A row
+// with kv_len 0 (padding) gets zeros.
 
 #include <algorithm>
 #include <array>
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <utility>
@@ -47,6 +55,7 @@ struct Problem {
   float* out;
   int64_t num_table_rows, num_heads, head_dim, group, num_pages, page_size, token_stride, table_width, window;
   float scale, soft_cap;
+  bool bf16_products;
 };
 
 // A dot product over vectors leaves a vector of partial sums; the partial vectors of kLanes keys are
@@ -78,6 +87,7 @@ struct Scratch {
   std::vector<Vec> parts;
   std::vector<float> tile_queries, tile_scores, tile_inv_sums;  // AttendTile's
   std::vector<const float*> key_rows, value_rows;
+  std::vector<uint32_t> query_pairs, key_pairs, weight_pairs, value_pairs;  // TileBf16's
 };
 
 // The keys start..kv_len-1 of one row, page by page through its block table.
@@ -330,6 +340,185 @@ struct TileJob {
   int64_t first_row, tokens, kv_head;  // kv_head -1: the single row first_row, every head
 };
 
+// queries^T [D, kTileLanes] of a tile's lanes, scaled; unused lanes zero.
+template <int DV, typename Fn>
+void ForEachTileQuery(const Problem& p, const TileJob& job, Fn&& fn) {
+  constexpr int64_t D = DV * kLanes;
+  for (int64_t lane = 0; lane < job.tokens * p.group; ++lane) {
+    fn(lane, p.q + (job.first_row + lane / p.group) * p.num_heads * D + (job.kv_head * p.group + lane % p.group) * D);
+  }
+}
+
+// out rows of lanes lane0..lane0+R-1 (those that exist): acc[r] times the lane's 1 / softmax sum.
+template <int DV, int R>
+void TileStore(const Problem& p, const TileJob& job, int64_t lane0, const Vec (&acc)[R][DV], const float* inv_sums) {
+  constexpr int64_t D = DV * kLanes;
+  const int64_t lanes = job.tokens * p.group;
+  for (int r = 0; r < R && lane0 + r < lanes; ++r) {
+    const int64_t lane = lane0 + r;
+    float* out = p.out + (job.first_row + lane / p.group) * p.num_heads * D + (job.kv_head * p.group + lane % p.group) * D;
+    for (int dv = 0; dv < DV; ++dv) Store(out + dv * kLanes, acc[r][dv] * inv_sums[lane]);
+  }
+}
+
+// scores [padded keys, kTileLanes] = keys . queries^T in float32, kKeyTile keys at a time.
+template <int DV>
+void TileScores(const Problem& p, const TileJob& job, int64_t padded, Scratch& scratch) {
+  constexpr int64_t D = DV * kLanes;
+  auto& queries = scratch.tile_queries;
+  queries.assign(D * kTileLanes, 0.0f);
+  ForEachTileQuery<DV>(p, job, [&](int64_t lane, const float* q) {
+    for (int64_t d = 0; d < D; ++d) queries[d * kTileLanes + lane] = q[d] * p.scale;
+  });
+  float* scores = scratch.tile_scores.data();
+  for (int64_t i0 = 0; i0 < padded; i0 += kKeyTile) {
+    Vec acc[kKeyTile][kTileVectors] = {};
+    const float* tile_keys[kKeyTile];
+    for (int j = 0; j < kKeyTile; ++j) tile_keys[j] = scratch.key_rows[i0 + j];
+    for (int64_t d = 0; d < D; ++d) {
+      Vec qd[kTileVectors];
+      for (int v = 0; v < kTileVectors; ++v) qd[v] = Load(queries.data() + d * kTileLanes + v * kLanes);
+      for (int j = 0; j < kKeyTile; ++j) {
+        const float kd = tile_keys[j][d];
+        for (int v = 0; v < kTileVectors; ++v) acc[j][v] += kd * qd[v];
+      }
+    }
+    for (int j = 0; j < kKeyTile; ++j)
+      for (int v = 0; v < kTileVectors; ++v) Store(scores + (i0 + j) * kTileLanes + v * kLanes, acc[j][v]);
+  }
+}
+
+#ifdef __AVX512BF16__
+constexpr bool kBf16Products = kLanes == 16;
+#else
+constexpr bool kBf16Products = false;
+#endif
+
+// A tile's two products with bfloat16 operands: each 32-bit lane of a PairVec holds a pair of
+// bfloat16 (the element for the even index in the low half), and DotPairs adds both products of a
+// broadcast pair and a vector of pairs to float32 sums (vdpbf16ps). The scores pair along D
+// (queries [D / 2, kTileLanes], each key [D / 2]); the weighted sum pairs along keys (weights
+// [keys / 2, kTileLanes], values [keys / 2, D]). Every operand is rounded once per tile, before its
+// products; the values are read from their pages once for all the tile's lanes.
+typedef uint32_t PairVec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef uint32_t UnalignedPairVec __attribute__((vector_size(kLanes * sizeof(uint32_t)), aligned(4)));
+
+inline PairVec LoadPairs(const uint32_t* x) { return *reinterpret_cast<const UnalignedPairVec*>(x); }
+inline void StorePairs(uint32_t* x, PairVec v) { *reinterpret_cast<UnalignedPairVec*>(x) = v; }
+
+// bfloat16 bits of x rounded to nearest even, in the high half of each lane (x finite).
+inline PairVec RoundHigh(Vec x) {
+  PairVec bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+}
+inline uint32_t RoundHigh(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+}
+inline PairVec Pairs(Vec even, Vec odd) { return (RoundHigh(even) >> 16) | RoundHigh(odd); }
+inline uint32_t Pair(float even, float odd) { return (RoundHigh(even) >> 16) | RoundHigh(odd); }
+
+inline Vec DotPairs(Vec acc, uint32_t pair, PairVec pairs) {
+#ifdef __AVX512BF16__
+  if constexpr (kLanes == 16) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair)), (__m512bh)pairs);
+  }
+#endif
+  const auto widen = [](PairVec bits) {
+    Vec v;
+    std::memcpy(&v, &bits, sizeof(v));
+    return v;
+  };
+  const PairVec broadcast = PairVec{} + pair;
+  return acc + widen(broadcast << 16) * widen(pairs << 16) + widen(broadcast & 0xffff0000u) * widen(pairs & 0xffff0000u);
+}
+
+template <int DV>
+struct TileBf16 {
+  static constexpr int64_t D = DV * kLanes, kHalfD = D / 2;
+
+  // scores [padded keys, kTileLanes] as TileScores, from rounded queries and keys.
+  static void Scores(const Problem& p, const TileJob& job, int64_t padded, Scratch& scratch) {
+    auto& queries = scratch.query_pairs;  // [D / 2, kTileLanes]
+    queries.assign(kHalfD * kTileLanes, 0u);
+    ForEachTileQuery<DV>(p, job, [&](int64_t lane, const float* q) {
+      for (int64_t e = 0; e < kHalfD; ++e) queries[e * kTileLanes + lane] = Pair(q[2 * e] * p.scale, q[2 * e + 1] * p.scale);
+    });
+    auto& keys = scratch.key_pairs;  // [padded, D / 2]
+    keys.resize(padded * kHalfD);
+    for (int64_t i = 0; i < padded; ++i) {
+      const float* key = scratch.key_rows[i];
+      for (int64_t e = 0; e < kHalfD; e += kLanes) {
+        // lanes e..e+15 pair the key's elements 2e..2e+31: evens and odds of two vectors
+        const Vec a = Load(key + 2 * e), b = Load(key + 2 * e + kLanes);
+        StorePairs(keys.data() + i * kHalfD + e, Pairs(Evens(a, b), Odds(a, b)));
+      }
+    }
+    float* scores = scratch.tile_scores.data();
+    for (int64_t i0 = 0; i0 < padded; i0 += kKeyTile) {
+      Vec acc[kKeyTile][kTileVectors] = {};
+      const uint32_t* tile_keys = keys.data() + i0 * kHalfD;
+      for (int64_t e = 0; e < kHalfD; ++e) {
+        PairVec qe[kTileVectors];
+        for (int v = 0; v < kTileVectors; ++v) qe[v] = LoadPairs(queries.data() + e * kTileLanes + v * kLanes);
+        for (int j = 0; j < kKeyTile; ++j) {
+          const uint32_t ke = tile_keys[j * kHalfD + e];
+          for (int v = 0; v < kTileVectors; ++v) acc[j][v] = DotPairs(acc[j][v], ke, qe[v]);
+        }
+      }
+      for (int j = 0; j < kKeyTile; ++j)
+        for (int v = 0; v < kTileVectors; ++v) Store(scores + (i0 + j) * kTileLanes + v * kLanes, acc[j][v]);
+    }
+  }
+
+  // out = weights^T . values for the tile's lanes, R at a time, from rounded weights (the softmax's
+  // numerators in tile_scores) and values; an odd last key pairs with a zero.
+  template <int R>
+  static void WeightedSum(const Problem& p, const TileJob& job, int64_t count, Scratch& scratch) {
+    const int64_t pairs = (count + 1) / 2;
+    const float* scores = scratch.tile_scores.data();
+    auto& weights = scratch.weight_pairs;  // [pairs, kTileLanes]
+    auto& values = scratch.value_pairs;    // [pairs, D]
+    weights.resize(pairs * kTileLanes);
+    values.resize(pairs * D);
+    for (int64_t i = 0; i < pairs; ++i) {
+      const bool odd = 2 * i + 1 < count;
+      for (int v = 0; v < kTileVectors; ++v) {
+        const Vec even = Load(scores + 2 * i * kTileLanes + v * kLanes);
+        const Vec next = odd ? Load(scores + (2 * i + 1) * kTileLanes + v * kLanes) : Vec{};
+        StorePairs(weights.data() + i * kTileLanes + v * kLanes, Pairs(even, next));
+      }
+      const float* even_row = scratch.value_rows[2 * i];
+      const float* odd_row = odd ? scratch.value_rows[2 * i + 1] : nullptr;
+      for (int dv = 0; dv < DV; ++dv) {
+        const Vec next = odd_row ? Load(odd_row + dv * kLanes) : Vec{};
+        StorePairs(values.data() + i * D + dv * kLanes, Pairs(Load(even_row + dv * kLanes), next));
+      }
+    }
+    for (int64_t lane0 = 0; lane0 < job.tokens * p.group; lane0 += R) {
+      Vec acc[R][DV] = {};
+      for (int64_t i = 0; i < pairs; ++i) {
+        PairVec val[DV];
+        for (int dv = 0; dv < DV; ++dv) val[dv] = LoadPairs(values.data() + i * D + dv * kLanes);
+        const uint32_t* w = weights.data() + i * kTileLanes + lane0;
+        for (int r = 0; r < R; ++r)
+          for (int dv = 0; dv < DV; ++dv) acc[r][dv] = DotPairs(acc[r][dv], w[r], val[dv]);
+      }
+      TileStore<DV, R>(p, job, lane0, acc, scratch.tile_inv_sums.data());
+    }
+  }
+
+  // The even and odd lanes of the 2 kLanes elements a, b.
+  template <int... L>
+  static Vec Evens(Vec a, Vec b, std::integer_sequence<int, L...>) { return __builtin_shufflevector(a, b, (2 * L)...); }
+  template <int... L>
+  static Vec Odds(Vec a, Vec b, std::integer_sequence<int, L...>) { return __builtin_shufflevector(a, b, (2 * L + 1)...); }
+  static Vec Evens(Vec a, Vec b) { return Evens(a, b, std::make_integer_sequence<int, kLanes>()); }
+  static Vec Odds(Vec a, Vec b) { return Odds(a, b, std::make_integer_sequence<int, kLanes>()); }
+};
+
 template <int DV, int R>
 void AttendTile(const Problem& p, const TileJob& job, Scratch& scratch) {
   constexpr int64_t D = DV * kLanes;
@@ -352,29 +541,12 @@ void AttendTile(const Problem& p, const TileJob& job, Scratch& scratch) {
   keys.ForEach(p.v, [&](int64_t i, const float* rows) { value_rows[i] = rows + head_offset; });
   for (int64_t i = count; i < padded; ++i) key_rows[i] = key_rows[count - 1];  // scored, never weighted
 
-  // queries^T [D, kTileLanes], scaled; unused lanes zero.
-  auto& queries = scratch.tile_queries;
-  queries.assign(D * kTileLanes, 0.0f);
-  for (int64_t lane = 0; lane < lanes; ++lane) {
-    const float* q = p.q + (job.first_row + lane / group) * p.num_heads * D + (job.kv_head * group + lane % group) * D;
-    for (int64_t d = 0; d < D; ++d) queries[d * kTileLanes + lane] = q[d] * p.scale;
-  }
   auto& scores = scratch.tile_scores;  // [padded keys, kTileLanes]
   scores.resize(padded * kTileLanes);
-  for (int64_t i0 = 0; i0 < padded; i0 += kKeyTile) {
-    Vec acc[kKeyTile][kTileVectors] = {};
-    const float* tile_keys[kKeyTile];
-    for (int j = 0; j < kKeyTile; ++j) tile_keys[j] = key_rows[i0 + j];
-    for (int64_t d = 0; d < D; ++d) {
-      Vec qd[kTileVectors];
-      for (int v = 0; v < kTileVectors; ++v) qd[v] = Load(queries.data() + d * kTileLanes + v * kLanes);
-      for (int j = 0; j < kKeyTile; ++j) {
-        const float kd = tile_keys[j][d];
-        for (int v = 0; v < kTileVectors; ++v) acc[j][v] += kd * qd[v];
-      }
-    }
-    for (int j = 0; j < kKeyTile; ++j)
-      for (int v = 0; v < kTileVectors; ++v) Store(scores.data() + (i0 + j) * kTileLanes + v * kLanes, acc[j][v]);
+  if (kBf16Products && p.bf16_products) {
+    TileBf16<DV>::Scores(p, job, padded, scratch);
+  } else {
+    TileScores<DV>(p, job, padded, scratch);
   }
 
   // Each lane's key range [start, kv_len), as positions relative to lo; unused lanes take lane 0's.
@@ -418,21 +590,21 @@ void AttendTile(const Problem& p, const TileJob& job, Scratch& scratch) {
   for (int v = 0; v < kTileVectors; ++v)
     for (int l = 0; l < kLanes; ++l) inv_sums[v * kLanes + l] = sum[v][l] > 0.0f ? 1.0f / sum[v][l] : 0.0f;
 
+  if (kBf16Products && p.bf16_products) {
+    TileBf16<DV>::template WeightedSum<R>(p, job, count, scratch);
+    return;
+  }
   for (int64_t lane0 = 0; lane0 < lanes; lane0 += R) {
     Vec acc[R][DV] = {};
     for (int64_t i = 0; i < count; ++i) {
-      const float* value = value_rows[i];
+      const float* value = scratch.value_rows[i];
       Vec val[DV];
       for (int dv = 0; dv < DV; ++dv) val[dv] = Load(value + dv * kLanes);
       const float* weights = scores.data() + i * kTileLanes + lane0;
       for (int r = 0; r < R; ++r)
         for (int dv = 0; dv < DV; ++dv) acc[r][dv] += weights[r] * val[dv];
     }
-    for (int r = 0; r < R && lane0 + r < lanes; ++r) {
-      const int64_t lane = lane0 + r;
-      float* out = p.out + (job.first_row + lane / group) * p.num_heads * D + (job.kv_head * group + lane % group) * D;
-      for (int dv = 0; dv < DV; ++dv) Store(out + dv * kLanes, acc[r][dv] * inv_sums[lane]);
-    }
+    TileStore<DV, R>(p, job, lane0, acc, scratch.tile_inv_sums.data());
   }
 }
 
@@ -479,7 +651,7 @@ ffi::Error PagedRowAttention(ffi::ThreadPool pool,
                              ffi::Buffer<ffi::S32> row_seqs,        // [R], the row's block table
                              ffi::Buffer<ffi::S32> block_tables,    // [S, W]
                              ffi::Buffer<ffi::S32> sliding_window,  // [], 0 = none
-                             float scale, float soft_cap,
+                             float scale, float soft_cap, int32_t bf16_products,
                              ffi::ResultBuffer<ffi::F32> out) {     // [R, H, D]
   const auto q_dims = q.dimensions();
   const auto kv_dims = k_pages.dimensions();
@@ -500,7 +672,7 @@ ffi::Error PagedRowAttention(ffi::ThreadPool pool,
                         kv_lens.typed_data(), row_seqs.typed_data(), block_tables.typed_data(), out->typed_data(),
                         block_tables.dimensions()[0], num_heads, head_dim, num_heads / num_kv_heads, num_pages, page_size,
                         num_kv_heads * head_dim, block_tables.dimensions()[1], sliding_window.typed_data()[0],
-                        scale, soft_cap};
+                        scale, soft_cap, bf16_products != 0};
   const TileFn tile = TileFor(head_dim, problem.group);
   auto jobs = std::make_shared<const std::vector<TileJob>>(Jobs(problem, num_rows, tile != nullptr));
   jaxserve::ParallelFor(pool, jobs->size(), [problem, tile, jobs] {
@@ -531,4 +703,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedRowAttention, PagedRowAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
                                   .Attr<float>("soft_cap")
+                                  .Attr<int32_t>("bf16_products")
                                   .Ret<ffi::Buffer<ffi::F32>>());
