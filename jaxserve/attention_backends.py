@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.attention import AttentionMetadata, ragged_paged_attention
+from jaxserve.attention import write_kv as xla_write_kv
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import ATTENTION_BACKENDS, MATMUL_BACKENDS, EngineConfig
 
@@ -146,6 +147,17 @@ def matmul_hint(requested: str, resolved: str) -> str | None:
         return None
     return ("this CPU has AVX512-BF16: --matmul-backend cpu-bf16 (bfloat16 weights, float32 sums) runs the matmuls "
             "about 1.7x faster; float32, the default, keeps Hugging Face's float32 tokens")
+
+
+def write_kv(k_pages, v_pages, layer, k, v, slot_mapping, *, backend: str = "xla"):
+    """Writes this step's keys and values [T, KVH, D] into the pages of `layer` (attention.write_kv's
+    XLA scatter; with the C++ attention backends and bfloat16 pages, the C++ writer, since XLA:CPU
+    widens the whole array around a bfloat16 scatter)."""
+    if backend in ("cpu", "cpu-bf16") and k_pages.dtype == jnp.bfloat16:
+        from jaxserve.cpu_ffi import write_bf16_pages
+
+        return write_bf16_pages(k_pages, v_pages, layer, k, v, slot_mapping)
+    return xla_write_kv(k_pages, v_pages, layer, k, v, slot_mapping)
 
 
 def paged_attention(

@@ -24,7 +24,7 @@ that `-march=native` predefines, `__AVX2__`, `__AVX512F__`, `__ARM_FEATURE_SVE` 
 instruction sets the library may use, on any OS, with GCC or clang) and, on Linux, the `flags` line
 of /proc/cpuinfo, which also tells apart CPUs whose differences no macro names; a key a little finer
 than needed costs at most a rebuild. Compiler warnings (-Wall) go to the log. Without a compiler `kernel_error()` says why, and the engine keeps
-XLA's attention and dot. Activations and pages are float32.
+XLA's attention and dot. Activations are float32; KV pages float32 or bfloat16 (`kv_cache_dtype`).
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ SOURCES = (KERNELS_DIR / "paged_row_attention.cc", KERNELS_DIR / "packed_matmul.
 HEADERS = (KERNELS_DIR / "parallel_for.h", KERNELS_DIR / "vec_math.h")
 TARGETS = {  # FFI target -> handler symbol
     "jaxserve_paged_row_attention": "JaxservePagedRowAttention",
+    "jaxserve_paged_row_attention_bf16_pages": "JaxservePagedRowAttentionBf16Pages",
+    "jaxserve_write_bf16_pages": "JaxserveWriteBf16Pages",
     "jaxserve_packed_matmul": "JaxservePackedMatmul",
     "jaxserve_packed_gated_matmul": "JaxservePackedGatedMatmul",
     "jaxserve_packed_matmul_bf16": "JaxservePackedMatmulBf16",
@@ -190,16 +192,30 @@ def paged_row_attention(q, k_pages, v_pages, layer, kv_lens, row_seqs, block_tab
                         sliding_window=0, soft_cap: float = 0.0, bf16_products: bool = False):
     """Attention of query rows q [R, H, D]: row r attends to keys 0..kv_lens[r]-1 of the pages
     [num_layers, num_pages, page_size, KVH, D] of `layer`, through block_tables[row_seqs[r]];
-    [R, H, D] float32, zeros where kv_len is 0.
+    [R, H, D] float32, zeros where kv_len is 0. Pages in float32, or bfloat16 (kv_cache_dtype; read and
+    widened to float32 in the kernel, half the bytes).
 
     bf16_products: the prompt tiles' two products take operands rounded to bfloat16 (float32 sums),
     where the kernels are built for AVX512-BF16 (`bf16_dot_instructions`); ignored elsewhere."""
-    assert k_pages.dtype == jnp.float32, "the CPU kernel reads float32 pages"
-    call = jax.ffi.ffi_call("jaxserve_paged_row_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    assert k_pages.dtype == v_pages.dtype and k_pages.dtype in (jnp.float32, jnp.bfloat16), k_pages.dtype
+    target = "jaxserve_paged_row_attention" + ("_bf16_pages" if k_pages.dtype == jnp.bfloat16 else "")
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     return call(q.astype(jnp.float32), k_pages, v_pages, i32(layer), i32(kv_lens), i32(row_seqs), i32(block_tables),
                 i32(sliding_window), scale=np.float32(scale), soft_cap=np.float32(soft_cap),
                 bf16_products=np.int32(bf16_products))
+
+
+def write_bf16_pages(k_pages, v_pages, layer, k, v, slot_mapping):
+    """`attention.write_kv` for bfloat16 pages: k and v [T, KVH, D] rounded into the slots of `layer`, in
+    place (the page arrays are aliased to the results). XLA:CPU has no bfloat16 scatter: it widens the
+    whole page array to float32 and back around one, seconds per step for a large pool."""
+    assert k_pages.dtype == v_pages.dtype == jnp.bfloat16, k_pages.dtype
+    call = jax.ffi.ffi_call("jaxserve_write_bf16_pages", (jax.ShapeDtypeStruct(k_pages.shape, jnp.bfloat16),
+                                                          jax.ShapeDtypeStruct(v_pages.shape, jnp.bfloat16)),
+                            input_output_aliases={0: 0, 1: 1})
+    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    return call(k_pages, v_pages, k.astype(jnp.float32), v.astype(jnp.float32), i32(layer), i32(slot_mapping))
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["data"], meta_fields=["n"])

@@ -75,7 +75,7 @@ def num_pool_pages(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
         return cfg.num_kv_pages
     assert cfg.kv_cache_memory_bytes is not None, "the pool is sized from memory: measure first"
     # The array's dummy page 0 comes out of the same budget
-    return cfg.kv_cache_memory_bytes // (model_cfg.kv_bytes_per_token(cfg.dtype) * cfg.block_size) - 1
+    return cfg.kv_cache_memory_bytes // (model_cfg.kv_bytes_per_token(cfg.kv_cache_dtype) * cfg.block_size) - 1
 
 
 def resolve(cfg: EngineConfig, model_cfg: ModelConfig, device: DeviceInfo,
@@ -91,6 +91,15 @@ def resolve(cfg: EngineConfig, model_cfg: ModelConfig, device: DeviceInfo,
     chosen, changes = [], {}
     if cfg.dtype == "auto":
         changes["dtype"] = resolve_dtype(cfg.dtype, device)
+    dtype = changes.get("dtype", cfg.dtype)
+    if cfg.kv_cache_dtype == "float32" and dtype != "float32":
+        raise ValueError(f"kv_cache_dtype='float32' needs dtype='float32' (the engine runs {dtype}); "
+                         f"leave kv_cache_dtype 'auto'")
+    kv_cache_dtype = cfg.kv_cache_dtype
+    if kv_cache_dtype == "auto":  # said at start-up only where it is not dtype
+        kv_cache_dtype = "bfloat16" if cfg.matmul_backend == "cpu-bf16" else dtype
+        if kv_cache_dtype != dtype:
+            changes["kv_cache_dtype"] = kv_cache_dtype
     # An unset limit yields to one the user gave: a step of max_num_batched_tokens holds max_num_seqs rows.
     max_num_seqs = cfg.max_num_seqs
     if max_num_seqs is None:
@@ -98,7 +107,7 @@ def resolve(cfg: EngineConfig, model_cfg: ModelConfig, device: DeviceInfo,
     if cfg.max_num_batched_tokens is None:
         changes["max_num_batched_tokens"] = max(kind.max_num_batched_tokens, max_num_seqs)
     chosen += [f"{name} {value}" for name, value in changes.items()]
-    cfg = dataclasses.replace(cfg, **changes)
+    cfg = dataclasses.replace(cfg, **(changes | {"kv_cache_dtype": kv_cache_dtype}))
 
     if cfg.num_kv_pages is None and cfg.kv_cache_memory_bytes is None:
         kv_bytes, why = _kv_cache_bytes(cfg, kind, device, memory)
@@ -110,7 +119,7 @@ def resolve(cfg: EngineConfig, model_cfg: ModelConfig, device: DeviceInfo,
     pool_tokens = None if cfg.num_kv_pages is None and cfg.kv_cache_memory_bytes is None else (
         num_pool_pages(cfg, model_cfg) * cfg.block_size)
     if cfg.num_kv_pages is None and pool_tokens is not None and pool_tokens <= 0:
-        page_bytes = model_cfg.kv_bytes_per_token(cfg.dtype) * cfg.block_size
+        page_bytes = model_cfg.kv_bytes_per_token(cfg.kv_cache_dtype) * cfg.block_size
         raise ValueError(f"kv_cache_memory_bytes={cfg.kv_cache_memory_bytes} holds "
                          f"{cfg.kv_cache_memory_bytes // page_bytes} pages of {page_bytes} bytes; at least 2 are needed")
     if cfg.max_model_len is not None:

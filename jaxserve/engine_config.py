@@ -53,6 +53,9 @@ ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas", "pallas-interpret")
 MATMUL_BACKENDS = ("auto", "xla", "cpu", "cpu-bf16")
 # auto: float32 on a CPU (its fast dtype), bfloat16 on a GPU (the Pallas kernels'; float16 is not supported).
 DTYPES = ("auto", "float32", "bfloat16")
+# auto: dtype's, and bfloat16 under matmul_backend cpu-bf16 (device_defaults.py). bfloat16 pages under
+# float32 activations are read by the C++ attention kernel (half the bytes) or XLA's.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def _per_device(setting: str) -> str:
@@ -112,6 +115,9 @@ class EngineConfig:
              "sizes the KV cache when kv_cache_memory_bytes and num_kv_pages are unset")
     dtype: str = setting("auto", f"weights, activations and KV pages; auto: {CPU.dtype} on a CPU, "
                                  f"{GPU.dtype} on a GPU", choices=DTYPES)
+    kv_cache_dtype: str = setting("auto", "the KV pages' dtype; auto: dtype's, bfloat16 under matmul_backend "
+                                          "cpu-bf16 (half the bytes per token; a float32 engine widens them as it "
+                                          "reads them)", choices=KV_CACHE_DTYPES)
     seed: int = setting(0, "seed of the seeds drawn for requests that bring none")
     enable_prefix_caching: bool = setting(True, "reuse the KV pages of earlier prompts' common prefixes")
     long_prefill_token_threshold: int = setting(

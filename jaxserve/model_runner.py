@@ -193,13 +193,13 @@ class ModelRunner:
 
     def _init_kv_cache(self, num_pages: int):
         make = init_kv_cache if self.parallel is None else self.parallel.init_kv_cache
-        return make(self.model_cfg, num_pages, self.cfg.block_size, self.cfg.dtype)
+        return make(self.model_cfg, num_pages, self.cfg.block_size, self.cfg.kv_cache_dtype)
 
     def _num_pages(self) -> int:
         """Pages in the array: the pool's pages plus the dummy page 0. kv_cache_memory_bytes is per device."""
         num_pages = device_defaults.num_pool_pages(self.cfg, self.device_cfg)
         if self.cfg.num_kv_pages is None and num_pages < 1:
-            per_page = self.device_cfg.kv_bytes_per_token(self.cfg.dtype) * self.cfg.block_size
+            per_page = self.device_cfg.kv_bytes_per_token(self.cfg.kv_cache_dtype) * self.cfg.block_size
             raise ValueError(
                 f"kv_cache_memory_bytes={self.cfg.kv_cache_memory_bytes} holds {num_pages + 1} pages of "
                 f"{per_page} bytes; at least 2 are needed"

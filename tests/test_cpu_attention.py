@@ -20,7 +20,7 @@ import pytest
 import pallas_kernels as pk
 from jaxserve import cpu_ffi
 from jaxserve.attention import ragged_paged_attention
-from jaxserve.attention_backends import paged_attention, resolve_attention_backend
+from jaxserve.attention_backends import paged_attention, resolve_attention_backend, write_kv
 from jaxserve.config import ModelConfig, RopeConfig
 from jaxserve.engine_config import EngineConfig
 from test_pallas_attention import LAYER, build_case, decode_lengths, ragged_lengths
@@ -65,6 +65,41 @@ def test_cpu_kernel_matches_the_reference(head_dim, page_size, group, window, so
     xla = np.asarray(jax.jit(functools.partial(ragged_paged_attention, decode_only=decode_only, q_tile=8,
                                                kv_tile=32, **kw))(q, k, v, LAYER, md))
     np.testing.assert_allclose(out, xla, atol=2e-5, rtol=1e-5)  # the engine's two CPU paths agree too
+
+
+@pytest.mark.parametrize("head_dim,page_size,group,window,soft_cap", CASES)
+def test_bfloat16_pages_give_what_their_float32_widening_gives(head_dim, page_size, group, window, soft_cap):
+    """Pages in bfloat16 (kv_cache_dtype): every path of the kernel (grouped, general loop, tiles) reads
+    them widened to float32, so its output is the float32 kernel's on the same values, which agrees with
+    XLA's attention reading the bfloat16 pages."""
+    kw = dict(scale=head_dim ** -0.5, sliding_window=window, soft_cap=soft_cap)
+    attend = {b: jax.jit(functools.partial(paged_attention, backend=b, **kw)) for b in ("cpu", "xla")}
+    for lengths in ("ragged", "long"):
+        q, k, v, md, real_tokens = build_case(LENGTHS[lengths](page_size), page_size=page_size, head_dim=head_dim,
+                                              group=group, dtype="float32", seed=6)
+        k16, v16 = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+        out = np.asarray(attend["cpu"](q, k16, v16, LAYER, md))
+        widened = np.asarray(attend["cpu"](q, k16.astype(jnp.float32), v16.astype(jnp.float32), LAYER, md))
+        np.testing.assert_allclose(out, widened, atol=1e-6, rtol=1e-6, err_msg=lengths)
+        xla = np.asarray(attend["xla"](q, k16, v16, LAYER, md))
+        np.testing.assert_allclose(out[:real_tokens], xla[:real_tokens], atol=2e-5, rtol=1e-5, err_msg=lengths)
+        assert np.abs(out[:real_tokens] - np.asarray(attend["cpu"](q, k, v, LAYER, md))[:real_tokens]).max() > 1e-4
+
+
+def test_the_bfloat16_page_writer_writes_what_xlas_scatter_writes_in_place():
+    """write_kv for bfloat16 pages under the C++ backends (XLA:CPU would widen the whole pool around a
+    bfloat16 scatter): the same bits as XLA's scatter, only the given slots, into the given layer."""
+    rng = np.random.default_rng(2)
+    shape = (3, 6, 8, 2, 32)
+    k0 = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    v0 = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((5, 2, 32)) * 3, jnp.float32) for _ in range(2))
+    slots = jnp.asarray([9, 0, 47, 10, 30], jnp.int32)
+    ours = jax.jit(functools.partial(write_kv, backend="cpu"))(k0, v0, 1, k, v, slots)
+    xla = jax.jit(functools.partial(write_kv, backend="xla"))(k0, v0, 1, k, v, slots)
+    for a, b, before in zip(ours, xla, (k0, v0)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+        assert (np.asarray(a) != np.asarray(before)).reshape(3, -1).any(-1).tolist() == [False, True, False]
 
 
 @pytest.mark.parametrize("head_dim,page_size,group,window,soft_cap", CASES[:4])

@@ -180,6 +180,7 @@ def test_the_engine_runs_with_bfloat16_packed_weights(tiny_model_dir):
     runner = llm.engine.runner
     assert runner.matmul_backend == "cpu-bf16"
     assert runner.attention_backend == "cpu-bf16"  # the attention kernel's prompt tiles in bfloat16 too
+    assert runner.cfg.kv_cache_dtype == "bfloat16" and all(x.dtype == jnp.bfloat16 for x in runner.kv_cache)
     leaves = jax.tree.leaves(runner.params, is_leaf=lambda v: isinstance(v, PackedWeight))
     packed = [leaf for leaf in leaves if isinstance(leaf, PackedWeight)]
     assert len(packed) == 4 * runner.model_cfg.num_layers + 1  # the layers' four matrices and the LM head
@@ -187,6 +188,22 @@ def test_the_engine_runs_with_bfloat16_packed_weights(tiny_model_dir):
     assert all(leaf.dtype == jnp.float32 for leaf in leaves if not isinstance(leaf, PackedWeight))
     prompts = [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4, 5, 6, 7]}]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]
+
+
+@needs_kernels
+def test_bfloat16_kv_pages_hold_twice_the_tokens_and_serve_a_float32_engine(tiny_model_dir):
+    """kv_cache_dtype="bfloat16" under float32 weights and matmuls: the same memory holds twice the pages,
+    the C++ attention reads them, and greedy decoding runs to the requested length."""
+    kw = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, block_size=8,
+              kv_cache_memory_bytes=2**20)
+    f32, bf16 = (LLM(tiny_model_dir("llama"), kv_cache_dtype=dtype, **kw) for dtype in ("float32", "bfloat16"))
+    assert bf16.engine.runner.attention_backend == "cpu" and bf16.engine.runner.matmul_backend == "cpu"
+    assert [x.dtype for x in bf16.engine.runner.kv_cache] == [jnp.bfloat16] * 2
+    assert bf16.engine.runner.num_pages == 2 * f32.engine.runner.num_pages
+    prompts = [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4, 5, 6, 7]}]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = bf16.generate(prompts, params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]
 
 

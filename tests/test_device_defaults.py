@@ -79,9 +79,23 @@ def test_a_gpu_of_unknown_memory_gets_a_cpus_pool():
     assert "KV cache 512 MiB (the device's memory is unknown)" in chosen
 
 
+def test_kv_cache_dtype_auto_follows_dtype_and_cpu_bf16_and_sizes_the_pool_by_its_bytes():
+    f32 = dict(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=GiB)
+    cfg, chosen = resolve(EngineConfig(**f32), LLAMA3_8B, H100, MEASURED)
+    assert cfg.kv_cache_dtype == "float32" and not any("kv_cache_dtype" in c for c in chosen)
+    bf16_pages, chosen = resolve(EngineConfig(**f32, matmul_backend="cpu-bf16"), LLAMA3_8B, H100, MEASURED)
+    assert bf16_pages.kv_cache_dtype == "bfloat16" and "kv_cache_dtype bfloat16" in chosen
+    assert num_pool_pages(bf16_pages, LLAMA3_8B) + 1 == 2 * (num_pool_pages(cfg, LLAMA3_8B) + 1)  # half the bytes
+    assert resolve(EngineConfig(dtype="bfloat16"), LLAMA3_8B, H100, MEASURED)[0].kv_cache_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="kv_cache_dtype='float32' needs dtype='float32'"):
+        resolve(EngineConfig(dtype="bfloat16", kv_cache_dtype="float32"), LLAMA3_8B, H100, MEASURED)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="fp8")
+
+
 def test_the_users_settings_win():
-    given = EngineConfig(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_bytes=GiB,
-                         max_model_len=1024)
+    given = EngineConfig(dtype="float32", kv_cache_dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
+                         kv_cache_memory_bytes=GiB, max_model_len=1024)
     assert resolve(given, LLAMA3_8B, H100, MEASURED) == (given, ())
     # A pool of fixed pages is never sized from memory; max_model_len is then what those pages hold
     cfg, _ = resolve(EngineConfig(num_kv_pages=100), LLAMA3_8B, H100)

@@ -28,6 +28,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -46,11 +47,33 @@ using jaxserve::Load;
 using jaxserve::Store;
 using jaxserve::Vec;
 
-constexpr int64_t kLineFloats = 64 / sizeof(float);  // a cache line
+constexpr int64_t kLineBytes = 64;  // a cache line
+
+// A page element: float, or bfloat16 bits (uint16_t). Load (8 or 16 of them, as float32) and Widen
+// (one) read either kind.
+using Bf16 = uint16_t;
+typedef Bf16 UnalignedBf16Vec __attribute__((vector_size(kLanes * sizeof(Bf16)), aligned(2)));
+typedef uint32_t UintVec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+inline Vec Load(const Bf16* x) {
+  const UintVec bits = __builtin_convertvector(*reinterpret_cast<const UnalignedBf16Vec*>(x), UintVec) << 16;
+  Vec v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+inline float Widen(float x) { return x; }
+inline float Widen(Bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
 
 // Everything the rows' attention needs; pointers into XLA's buffers, `k`/`v` at the layer's start.
+template <typename Page>
 struct Problem {
-  const float *q, *k, *v;
+  const float* q;
+  const Page *k, *v;
   const int32_t *kv_lens, *row_seqs, *tables;
   float* out;
   int64_t num_table_rows, num_heads, head_dim, group, num_pages, page_size, token_stride, table_width, window;
@@ -86,27 +109,28 @@ struct Scratch {
   std::vector<float> scores, acc, row_max, row_sum;
   std::vector<Vec> parts;
   std::vector<float> tile_queries, tile_scores, tile_inv_sums;  // AttendTile's
-  std::vector<const float*> key_rows, value_rows;
+  std::vector<const void*> key_rows, value_rows;  // a tile's [D] rows, of Page elements
   std::vector<uint32_t> query_pairs, key_pairs, weight_pairs, value_pairs;  // TileBf16's
 };
 
 // The keys start..kv_len-1 of one row, page by page through its block table.
+template <typename Page>
 struct RowKeys {
-  const Problem& p;
+  const Problem<Page>& p;
   const int32_t* table;
   int64_t start, kv_len;
 
-  int64_t Page(int64_t pos) const { return std::clamp<int64_t>(table[pos / p.page_size], 0, p.num_pages - 1); }
+  int64_t PageOf(int64_t pos) const { return std::clamp<int64_t>(table[pos / p.page_size], 0, p.num_pages - 1); }
 
   // fn(index from start of the page's first row, that row's [KVH, D] in the page, rows in the page,
   // the next page or nullptr) for each page in turn.
   template <typename Fn>
-  void ForEachPage(const float* pages, Fn&& fn) const {
-    const int64_t page_size = p.page_size, page_floats = page_size * p.token_stride;
+  void ForEachPage(const Page* pages, Fn&& fn) const {
+    const int64_t page_size = p.page_size, page_elems = page_size * p.token_stride;
     for (int64_t pos = start; pos < kv_len;) {
       const int64_t page_end = (pos / page_size + 1) * page_size, end = std::min(kv_len, page_end);
-      const float* next = page_end < kv_len ? pages + Page(page_end) * page_floats : nullptr;
-      fn(pos - start, pages + Page(pos) * page_floats + (pos % page_size) * p.token_stride, end - pos, next);
+      const Page* next = page_end < kv_len ? pages + PageOf(page_end) * page_elems : nullptr;
+      fn(pos - start, pages + PageOf(pos) * page_elems + (pos % page_size) * p.token_stride, end - pos, next);
       pos = end;
     }
   }
@@ -114,11 +138,12 @@ struct RowKeys {
   // fn(index from start, the key's or value's [KVH, D] row), row by row; the page after the current
   // one is prefetched into L2 when it starts (into L1, most of a page's prefetches were lost).
   template <typename Fn>
-  void ForEach(const float* pages, Fn&& fn) const {
-    const int64_t page_floats = p.page_size * p.token_stride;
-    ForEachPage(pages, [&](int64_t first, const float* rows, int64_t n, const float* next) {
+  void ForEach(const Page* pages, Fn&& fn) const {
+    const int64_t page_bytes = p.page_size * p.token_stride * sizeof(Page);
+    ForEachPage(pages, [&](int64_t first, const Page* rows, int64_t n, const Page* next) {
       if (next) {
-        for (int64_t line = 0; line < page_floats; line += kLineFloats) __builtin_prefetch(next + line, 0, 1);
+        const char* bytes = reinterpret_cast<const char*>(next);
+        for (int64_t line = 0; line < page_bytes; line += kLineBytes) __builtin_prefetch(bytes + line, 0, 1);
       }
       for (int64_t i = 0; i < n; ++i) fn(first + i, rows + i * p.token_stride);
     });
@@ -129,19 +154,19 @@ struct RowKeys {
 // it, because a burst of a whole page's prefetches at once stalls the loads queued behind it.
 class SpreadPrefetch {
  public:
-  SpreadPrefetch(const float* page, int64_t page_floats, int64_t steps)
-      : page_(page),
-        lines_(page ? page_floats / kLineFloats : 0),
+  SpreadPrefetch(const void* page, int64_t page_bytes, int64_t steps)
+      : page_(static_cast<const char*>(page)),
+        lines_(page ? page_bytes / kLineBytes : 0),
         per_step_((lines_ + steps - 1) / std::max<int64_t>(steps, 1)) {}
 
   void Step() {
     for (const int64_t end = std::min(lines_, next_ + per_step_); next_ < end; ++next_) {
-      __builtin_prefetch(page_ + next_ * kLineFloats, 0, 1);
+      __builtin_prefetch(page_ + next_ * kLineBytes, 0, 1);
     }
   }
 
  private:
-  const float* page_;
+  const char* page_;
   int64_t lines_, per_step_, next_ = 0;
 };
 
@@ -150,16 +175,17 @@ class SpreadPrefetch {
 // in the cache (the next page arriving meanwhile, see SpreadPrefetch). A KV head's G queries stay in
 // registers while its keys in the page are scored, its G accumulators while its values are summed;
 // dot products are folded kLanes at a time (see FoldLanes).
-template <int DV, int G>
-void AttendGrouped(const Problem& p, const RowKeys& keys, float* out_rows, const float* q_rows, Scratch& scratch) {
+template <typename Page, int DV, int G>
+void AttendGrouped(const Problem<Page>& p, const RowKeys<Page>& keys, float* out_rows, const float* q_rows,
+                   Scratch& scratch) {
   constexpr int64_t D = DV * kLanes;
-  const int64_t kv_heads = p.num_heads / G, stride = p.token_stride, page_floats = p.page_size * stride;
+  const int64_t kv_heads = p.num_heads / G, stride = p.token_stride, page_bytes = p.page_size * stride * sizeof(Page);
   const int64_t count = keys.kv_len - keys.start, padded = (count + kLanes - 1) / kLanes * kLanes;
   auto& scores = scratch.scores;  // [KVH * G, padded]
   scores.resize(kv_heads * G * padded);
   scratch.parts.resize(kv_heads * G * kLanes);  // a KV head's lanes may straddle pages
-  keys.ForEachPage(p.k, [&](int64_t first, const float* rows, int64_t n, const float* next) {
-    SpreadPrefetch prefetch(next, page_floats, kv_heads * n);
+  keys.ForEachPage(p.k, [&](int64_t first, const Page* rows, int64_t n, const Page* next) {
+    SpreadPrefetch prefetch(next, page_bytes, kv_heads * n);
     for (int64_t kv_head = 0; kv_head < kv_heads; ++kv_head) {
       const float* q_group = q_rows + kv_head * G * D;
       Vec q[G][DV];
@@ -167,7 +193,7 @@ void AttendGrouped(const Problem& p, const RowKeys& keys, float* out_rows, const
         for (int v = 0; v < DV; ++v) q[j][v] = Load(q_group + j * D + v * kLanes) * p.scale;
       Vec* parts = scratch.parts.data() + kv_head * G * kLanes;
       float* head_scores = scores.data() + kv_head * G * padded;
-      const float* key = rows + kv_head * D;
+      const Page* key = rows + kv_head * D;
       for (int64_t i = first; i < first + n; ++i, key += stride) {
         prefetch.Step();
         Vec k[DV];
@@ -213,15 +239,15 @@ void AttendGrouped(const Problem& p, const RowKeys& keys, float* out_rows, const
   }
   auto& acc_rows = scratch.acc;  // [KVH * G, D], summed page by page
   acc_rows.assign(kv_heads * G * D, 0.0f);
-  keys.ForEachPage(p.v, [&](int64_t first, const float* rows, int64_t n, const float* next) {
-    SpreadPrefetch prefetch(next, page_floats, kv_heads * n);
+  keys.ForEachPage(p.v, [&](int64_t first, const Page* rows, int64_t n, const Page* next) {
+    SpreadPrefetch prefetch(next, page_bytes, kv_heads * n);
     for (int64_t kv_head = 0; kv_head < kv_heads; ++kv_head) {
       float* acc_group = acc_rows.data() + kv_head * G * D;
       const float* head_weights = scores.data() + kv_head * G * padded;
       Vec acc[G][DV];
       for (int j = 0; j < G; ++j)
         for (int v = 0; v < DV; ++v) acc[j][v] = Load(acc_group + j * D + v * kLanes);
-      const float* value = rows + kv_head * D;
+      const Page* value = rows + kv_head * D;
       for (int64_t i = first; i < first + n; ++i, value += stride) {
         prefetch.Step();
         Vec val[DV];
@@ -241,19 +267,21 @@ void AttendGrouped(const Problem& p, const RowKeys& keys, float* out_rows, const
     }
 }
 
-using GroupedFn = void (*)(const Problem&, const RowKeys&, float*, const float*, Scratch&);
+template <typename Page>
+using GroupedFn = void (*)(const Problem<Page>&, const RowKeys<Page>&, float*, const float*, Scratch&);
 
-template <int DV, int... G>
-constexpr std::array<GroupedFn, 9> GroupedFns(std::integer_sequence<int, G...>) {
-  return {nullptr, (G + 1 <= 16 / DV ? &AttendGrouped<DV, G + 1> : nullptr)...};
+template <typename Page, int DV, int... G>
+constexpr std::array<GroupedFn<Page>, 9> GroupedFns(std::integer_sequence<int, G...>) {
+  return {nullptr, (G + 1 <= 16 / DV ? &AttendGrouped<Page, DV, G + 1> : nullptr)...};
 }
 
 // AttendGrouped for (head_dim, group), or nullptr: head_dim 2, 4 or 8 vectors, groups up to 8, and
 // at most 16 registers of queries per group.
-GroupedFn GroupedFor(int64_t head_dim, int64_t group) {
-  static constexpr auto kDv2 = GroupedFns<2>(std::make_integer_sequence<int, 8>());
-  static constexpr auto kDv4 = GroupedFns<4>(std::make_integer_sequence<int, 8>());
-  static constexpr auto kDv8 = GroupedFns<8>(std::make_integer_sequence<int, 8>());
+template <typename Page>
+GroupedFn<Page> GroupedFor(int64_t head_dim, int64_t group) {
+  static constexpr auto kDv2 = GroupedFns<Page, 2>(std::make_integer_sequence<int, 8>());
+  static constexpr auto kDv4 = GroupedFns<Page, 4>(std::make_integer_sequence<int, 8>());
+  static constexpr auto kDv8 = GroupedFns<Page, 8>(std::make_integer_sequence<int, 8>());
   if (head_dim % kLanes != 0 || group < 1 || group > 8) return nullptr;
   switch (head_dim / kLanes) {
     case 2: return kDv2[group];
@@ -266,7 +294,8 @@ GroupedFn GroupedFor(int64_t head_dim, int64_t group) {
 // Attention of query row `row`: a pass over its keys for the scores, the softmax, and a pass over
 // its values. Each page is one contiguous [page_size, KVH, D] array, read in place. Common shapes
 // go to AttendGrouped; the rest are computed here, all heads at once per key.
-void AttendOne(const Problem& p, int64_t row, Scratch& scratch) {
+template <typename Page>
+void AttendOne(const Problem<Page>& p, int64_t row, Scratch& scratch) {
   const int64_t num_heads = p.num_heads, head_dim = p.head_dim, page_size = p.page_size;
   const float* q_rows = p.q + row * num_heads * head_dim;
   float* out_rows = p.out + row * num_heads * head_dim;
@@ -274,8 +303,8 @@ void AttendOne(const Problem& p, int64_t row, Scratch& scratch) {
   const int64_t start = p.window > 0 ? std::max<int64_t>(kv_len - p.window, 0) : 0;
   const int64_t count = std::max<int64_t>(kv_len - start, 0);
   const int32_t* table = p.tables + std::clamp<int64_t>(p.row_seqs[row], 0, p.num_table_rows - 1) * p.table_width;
-  const RowKeys keys{p, table, start, start + count};
-  if (const GroupedFn grouped = GroupedFor(head_dim, p.group)) {
+  const RowKeys<Page> keys{p, table, start, start + count};
+  if (const GroupedFn<Page> grouped = GroupedFor<Page>(head_dim, p.group)) {
     grouped(p, keys, out_rows, q_rows, scratch);
     return;
   }
@@ -287,13 +316,13 @@ void AttendOne(const Problem& p, int64_t row, Scratch& scratch) {
   row_max.assign(num_heads, -std::numeric_limits<float>::max());
   row_sum.assign(num_heads, 0.0f);
   scores.resize(count * num_heads);
-  keys.ForEach(p.k, [&](int64_t i, const float* key_rows) {
+  keys.ForEach(p.k, [&](int64_t i, const Page* key_rows) {
     float* row_scores = scores.data() + i * num_heads;
     for (int64_t h = 0; h < num_heads; ++h) {
       const float* query = q_rows + h * head_dim;
-      const float* key = key_rows + (h / p.group) * head_dim;
+      const Page* key = key_rows + (h / p.group) * head_dim;
       float dot = 0.0f;
-      for (int64_t d = 0; d < head_dim; ++d) dot += query[d] * key[d];
+      for (int64_t d = 0; d < head_dim; ++d) dot += query[d] * Widen(key[d]);
       float s = dot * p.scale;
       if (p.soft_cap > 0.0f) s = p.soft_cap * std::tanh(s / p.soft_cap);
       row_scores[h] = s;
@@ -307,13 +336,13 @@ void AttendOne(const Problem& p, int64_t row, Scratch& scratch) {
       row_sum[h] += e;
     }
   }
-  keys.ForEach(p.v, [&](int64_t i, const float* values) {
+  keys.ForEach(p.v, [&](int64_t i, const Page* values) {
     const float* weights = scores.data() + i * num_heads;
     for (int64_t h = 0; h < num_heads; ++h) {
       const float w = weights[h];
-      const float* value = values + (h / p.group) * head_dim;
+      const Page* value = values + (h / p.group) * head_dim;
       float* a = acc.data() + h * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) a[d] += w * value[d];
+      for (int64_t d = 0; d < head_dim; ++d) a[d] += w * Widen(value[d]);
     }
   });
   for (int64_t h = 0; h < num_heads; ++h) {
@@ -341,8 +370,8 @@ struct TileJob {
 };
 
 // queries^T [D, kTileLanes] of a tile's lanes, scaled; unused lanes zero.
-template <int DV, typename Fn>
-void ForEachTileQuery(const Problem& p, const TileJob& job, Fn&& fn) {
+template <int DV, typename Page, typename Fn>
+void ForEachTileQuery(const Problem<Page>& p, const TileJob& job, Fn&& fn) {
   constexpr int64_t D = DV * kLanes;
   for (int64_t lane = 0; lane < job.tokens * p.group; ++lane) {
     fn(lane, p.q + (job.first_row + lane / p.group) * p.num_heads * D + (job.kv_head * p.group + lane % p.group) * D);
@@ -350,8 +379,8 @@ void ForEachTileQuery(const Problem& p, const TileJob& job, Fn&& fn) {
 }
 
 // out rows of lanes lane0..lane0+R-1 (those that exist): acc[r] times the lane's 1 / softmax sum.
-template <int DV, int R>
-void TileStore(const Problem& p, const TileJob& job, int64_t lane0, const Vec (&acc)[R][DV], const float* inv_sums) {
+template <int DV, int R, typename Page>
+void TileStore(const Problem<Page>& p, const TileJob& job, int64_t lane0, const Vec (&acc)[R][DV], const float* inv_sums) {
   constexpr int64_t D = DV * kLanes;
   const int64_t lanes = job.tokens * p.group;
   for (int r = 0; r < R && lane0 + r < lanes; ++r) {
@@ -362,8 +391,8 @@ void TileStore(const Problem& p, const TileJob& job, int64_t lane0, const Vec (&
 }
 
 // scores [padded keys, kTileLanes] = keys . queries^T in float32, kKeyTile keys at a time.
-template <int DV>
-void TileScores(const Problem& p, const TileJob& job, int64_t padded, Scratch& scratch) {
+template <int DV, typename Page>
+void TileScores(const Problem<Page>& p, const TileJob& job, int64_t padded, Scratch& scratch) {
   constexpr int64_t D = DV * kLanes;
   auto& queries = scratch.tile_queries;
   queries.assign(D * kTileLanes, 0.0f);
@@ -373,13 +402,13 @@ void TileScores(const Problem& p, const TileJob& job, int64_t padded, Scratch& s
   float* scores = scratch.tile_scores.data();
   for (int64_t i0 = 0; i0 < padded; i0 += kKeyTile) {
     Vec acc[kKeyTile][kTileVectors] = {};
-    const float* tile_keys[kKeyTile];
-    for (int j = 0; j < kKeyTile; ++j) tile_keys[j] = scratch.key_rows[i0 + j];
+    const Page* tile_keys[kKeyTile];
+    for (int j = 0; j < kKeyTile; ++j) tile_keys[j] = static_cast<const Page*>(scratch.key_rows[i0 + j]);
     for (int64_t d = 0; d < D; ++d) {
       Vec qd[kTileVectors];
       for (int v = 0; v < kTileVectors; ++v) qd[v] = Load(queries.data() + d * kTileLanes + v * kLanes);
       for (int j = 0; j < kKeyTile; ++j) {
-        const float kd = tile_keys[j][d];
+        const float kd = Widen(tile_keys[j][d]);
         for (int v = 0; v < kTileVectors; ++v) acc[j][v] += kd * qd[v];
       }
     }
@@ -440,7 +469,8 @@ struct TileBf16 {
   static constexpr int64_t D = DV * kLanes, kHalfD = D / 2;
 
   // scores [padded keys, kTileLanes] as TileScores, from rounded queries and keys.
-  static void Scores(const Problem& p, const TileJob& job, int64_t padded, Scratch& scratch) {
+  template <typename Page>
+  static void Scores(const Problem<Page>& p, const TileJob& job, int64_t padded, Scratch& scratch) {
     auto& queries = scratch.query_pairs;  // [D / 2, kTileLanes]
     queries.assign(kHalfD * kTileLanes, 0u);
     ForEachTileQuery<DV>(p, job, [&](int64_t lane, const float* q) {
@@ -449,7 +479,7 @@ struct TileBf16 {
     auto& keys = scratch.key_pairs;  // [padded, D / 2]
     keys.resize(padded * kHalfD);
     for (int64_t i = 0; i < padded; ++i) {
-      const float* key = scratch.key_rows[i];
+      const Page* key = static_cast<const Page*>(scratch.key_rows[i]);
       for (int64_t e = 0; e < kHalfD; e += kLanes) {
         // lanes e..e+15 pair the key's elements 2e..2e+31: evens and odds of two vectors
         const Vec a = Load(key + 2 * e), b = Load(key + 2 * e + kLanes);
@@ -475,8 +505,8 @@ struct TileBf16 {
 
   // out = weights^T . values for the tile's lanes, R at a time, from rounded weights (the softmax's
   // numerators in tile_scores) and values; an odd last key pairs with a zero.
-  template <int R>
-  static void WeightedSum(const Problem& p, const TileJob& job, int64_t count, Scratch& scratch) {
+  template <int R, typename Page>
+  static void WeightedSum(const Problem<Page>& p, const TileJob& job, int64_t count, Scratch& scratch) {
     const int64_t pairs = (count + 1) / 2;
     const float* scores = scratch.tile_scores.data();
     auto& weights = scratch.weight_pairs;  // [pairs, kTileLanes]
@@ -490,8 +520,8 @@ struct TileBf16 {
         const Vec next = odd ? Load(scores + (2 * i + 1) * kTileLanes + v * kLanes) : Vec{};
         StorePairs(weights.data() + i * kTileLanes + v * kLanes, Pairs(even, next));
       }
-      const float* even_row = scratch.value_rows[2 * i];
-      const float* odd_row = odd ? scratch.value_rows[2 * i + 1] : nullptr;
+      const Page* even_row = static_cast<const Page*>(scratch.value_rows[2 * i]);
+      const Page* odd_row = odd ? static_cast<const Page*>(scratch.value_rows[2 * i + 1]) : nullptr;
       for (int dv = 0; dv < DV; ++dv) {
         const Vec next = odd_row ? Load(odd_row + dv * kLanes) : Vec{};
         StorePairs(values.data() + i * D + dv * kLanes, Pairs(Load(even_row + dv * kLanes), next));
@@ -519,8 +549,8 @@ struct TileBf16 {
   static Vec Odds(Vec a, Vec b) { return Odds(a, b, std::make_integer_sequence<int, kLanes>()); }
 };
 
-template <int DV, int R>
-void AttendTile(const Problem& p, const TileJob& job, Scratch& scratch) {
+template <typename Page, int DV, int R>
+void AttendTile(const Problem<Page>& p, const TileJob& job, Scratch& scratch) {
   constexpr int64_t D = DV * kLanes;
   const int64_t group = p.group, lanes = job.tokens * group;
   const int64_t cap = p.table_width * p.page_size;
@@ -531,14 +561,14 @@ void AttendTile(const Problem& p, const TileJob& job, Scratch& scratch) {
   const int64_t padded = (count + kKeyTile - 1) / kKeyTile * kKeyTile;
   const int64_t table_row = std::clamp<int64_t>(p.row_seqs[job.first_row], 0, p.num_table_rows - 1);
   const int32_t* table = p.tables + table_row * p.table_width;
-  const RowKeys keys{p, table, lo, last_kv_len};
+  const RowKeys<Page> keys{p, table, lo, last_kv_len};
   auto& key_rows = scratch.key_rows;
   auto& value_rows = scratch.value_rows;
   key_rows.resize(padded);
   value_rows.resize(padded);
   const int64_t head_offset = job.kv_head * D;
-  keys.ForEach(p.k, [&](int64_t i, const float* rows) { key_rows[i] = rows + head_offset; });
-  keys.ForEach(p.v, [&](int64_t i, const float* rows) { value_rows[i] = rows + head_offset; });
+  keys.ForEach(p.k, [&](int64_t i, const Page* rows) { key_rows[i] = rows + head_offset; });
+  keys.ForEach(p.v, [&](int64_t i, const Page* rows) { value_rows[i] = rows + head_offset; });
   for (int64_t i = count; i < padded; ++i) key_rows[i] = key_rows[count - 1];  // scored, never weighted
 
   auto& scores = scratch.tile_scores;  // [padded keys, kTileLanes]
@@ -597,7 +627,7 @@ void AttendTile(const Problem& p, const TileJob& job, Scratch& scratch) {
   for (int64_t lane0 = 0; lane0 < lanes; lane0 += R) {
     Vec acc[R][DV] = {};
     for (int64_t i = 0; i < count; ++i) {
-      const float* value = scratch.value_rows[i];
+      const Page* value = static_cast<const Page*>(scratch.value_rows[i]);
       Vec val[DV];
       for (int dv = 0; dv < DV; ++dv) val[dv] = Load(value + dv * kLanes);
       const float* weights = scores.data() + i * kTileLanes + lane0;
@@ -608,23 +638,26 @@ void AttendTile(const Problem& p, const TileJob& job, Scratch& scratch) {
   }
 }
 
-using TileFn = void (*)(const Problem&, const TileJob&, Scratch&);
+template <typename Page>
+using TileFn = void (*)(const Problem<Page>&, const TileJob&, Scratch&);
 
 // AttendTile for head_dim of 2, 4 or 8 vectors (R lanes of 8, 4 or 2 vectors of accumulators), or
 // nullptr; groups up to kTileLanes / kMinTileTokens query heads per KV head.
-TileFn TileFor(int64_t head_dim, int64_t group) {
+template <typename Page>
+TileFn<Page> TileFor(int64_t head_dim, int64_t group) {
   if (head_dim % kLanes != 0 || group < 1 || group * kMinTileTokens > kTileLanes) return nullptr;
   switch (head_dim / kLanes) {
-    case 2: return &AttendTile<2, std::min(8, kLanes)>;
-    case 4: return &AttendTile<4, 4>;
-    case 8: return &AttendTile<8, 2>;
+    case 2: return &AttendTile<Page, 2, std::min(8, kLanes)>;
+    case 4: return &AttendTile<Page, 4, 4>;
+    case 8: return &AttendTile<Page, 8, 2>;
     default: return nullptr;
   }
 }
 
 // The step's work: runs of at least kMinTileTokens rows of one sequence at consecutive positions
 // split into tiles (one job per tile and KV head), every other row on its own.
-std::vector<TileJob> Jobs(const Problem& p, int64_t num_rows, bool tiles) {
+template <typename Page>
+std::vector<TileJob> Jobs(const Problem<Page>& p, int64_t num_rows, bool tiles) {
   std::vector<TileJob> jobs, singles;
   const int64_t tile_tokens = kTileLanes / p.group, num_kv_heads = p.num_heads / p.group;
   for (int64_t row = 0; row < num_rows;) {
@@ -642,10 +675,15 @@ std::vector<TileJob> Jobs(const Problem& p, int64_t num_rows, bool tiles) {
   return jobs;
 }
 
+// XLA's buffer type of a page element.
+template <typename Page>
+constexpr ffi::DataType kPageType = std::is_same_v<Page, float> ? ffi::F32 : ffi::BF16;
+
+template <typename Page>
 ffi::Error PagedRowAttention(ffi::ThreadPool pool,
-                             ffi::Buffer<ffi::F32> q,               // [R, H, D]
-                             ffi::Buffer<ffi::F32> k_pages,         // [L, P, page, KVH, D]
-                             ffi::Buffer<ffi::F32> v_pages,         // [L, P, page, KVH, D]
+                             ffi::Buffer<ffi::F32> q,                  // [R, H, D]
+                             ffi::Buffer<kPageType<Page>> k_pages,     // [L, P, page, KVH, D]
+                             ffi::Buffer<kPageType<Page>> v_pages,     // [L, P, page, KVH, D]
                              ffi::Buffer<ffi::S32> layer,           // []
                              ffi::Buffer<ffi::S32> kv_lens,         // [R]
                              ffi::Buffer<ffi::S32> row_seqs,        // [R], the row's block table
@@ -668,12 +706,14 @@ ffi::Error PagedRowAttention(ffi::ThreadPool pool,
     return ffi::Error::InvalidArgument("paged_row_attention: layer index out of range");
   }
   const int64_t layer_offset = layer_index * num_pages * page_size * num_kv_heads * head_dim;
-  const Problem problem{q.typed_data(), k_pages.typed_data() + layer_offset, v_pages.typed_data() + layer_offset,
+  const auto* k = reinterpret_cast<const Page*>(k_pages.untyped_data());
+  const auto* v = reinterpret_cast<const Page*>(v_pages.untyped_data());
+  const Problem<Page> problem{q.typed_data(), k + layer_offset, v + layer_offset,
                         kv_lens.typed_data(), row_seqs.typed_data(), block_tables.typed_data(), out->typed_data(),
                         block_tables.dimensions()[0], num_heads, head_dim, num_heads / num_kv_heads, num_pages, page_size,
                         num_kv_heads * head_dim, block_tables.dimensions()[1], sliding_window.typed_data()[0],
                         scale, soft_cap, bf16_products != 0};
-  const TileFn tile = TileFor(head_dim, problem.group);
+  const TileFn<Page> tile = TileFor<Page>(head_dim, problem.group);
   auto jobs = std::make_shared<const std::vector<TileJob>>(Jobs(problem, num_rows, tile != nullptr));
   jaxserve::ParallelFor(pool, jobs->size(), [problem, tile, jobs] {
     return [problem, tile, jobs, scratch = Scratch()](int64_t i) mutable {
@@ -690,18 +730,73 @@ ffi::Error PagedRowAttention(ffi::ThreadPool pool,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedRowAttention, PagedRowAttention,
+namespace {
+
+// The handlers' signature, for float32 or bfloat16 pages.
+template <typename Page>
+auto AttentionBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<kPageType<Page>>>()
+      .template Arg<ffi::Buffer<kPageType<Page>>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Attr<float>("scale")
+      .template Attr<float>("soft_cap")
+      .template Attr<int32_t>("bf16_products")
+      .template Ret<ffi::Buffer<ffi::F32>>();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedRowAttention, PagedRowAttention<float>, AttentionBinding<float>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedRowAttentionBf16Pages, PagedRowAttention<Bf16>,
+                              AttentionBinding<Bf16>());
+
+// Writes a step's keys and values [T, KVH, D] (float32) into bfloat16 pages at their slots (page *
+// page_size + offset), rounded to nearest even, in place: the page arrays are aliased to the outputs.
+// XLA:CPU has no bfloat16 scatter; it would widen the whole page array to float32 and back around one.
+namespace {
+
+ffi::Error WriteBf16Pages(ffi::Buffer<ffi::BF16> k_pages, ffi::Buffer<ffi::BF16> v_pages, ffi::Buffer<ffi::F32> k,
+                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slots,
+                          ffi::ResultBuffer<ffi::BF16> k_out, ffi::ResultBuffer<ffi::BF16> v_out) {
+  const auto kv_dims = k_pages.dimensions(), row_dims = k.dimensions();
+  if (kv_dims.size() != 5 || row_dims.size() != 3 || row_dims[1] != kv_dims[3] || row_dims[2] != kv_dims[4] ||
+      static_cast<int64_t>(slots.element_count()) != row_dims[0] || v.element_count() != k.element_count() ||
+      k_out->untyped_data() != k_pages.untyped_data() || v_out->untyped_data() != v_pages.untyped_data()) {
+    return ffi::Error::InvalidArgument("write_bf16_pages: operand shapes do not match, or the pages are not aliased");
+  }
+  const int64_t layer_index = layer.typed_data()[0], num_slots = kv_dims[1] * kv_dims[2];
+  if (layer_index < 0 || layer_index >= kv_dims[0]) {
+    return ffi::Error::InvalidArgument("write_bf16_pages: layer index out of range");
+  }
+  const int64_t row = kv_dims[3] * kv_dims[4];
+  const auto write = [&](const float* rows, uint16_t* pages) {
+    pages += layer_index * num_slots * row;
+    for (int64_t t = 0; t < row_dims[0]; ++t) {
+      const int64_t slot = std::clamp<int64_t>(slots.typed_data()[t], 0, num_slots - 1);
+      for (int64_t i = 0; i < row; ++i) pages[slot * row + i] = static_cast<uint16_t>(RoundHigh(rows[t * row + i]) >> 16);
+    }
+  };
+  write(k.typed_data(), reinterpret_cast<uint16_t*>(k_out->untyped_data()));
+  write(v.typed_data(), reinterpret_cast<uint16_t*>(v_out->untyped_data()));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteBf16Pages, WriteBf16Pages,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<float>("scale")
-                                  .Attr<float>("soft_cap")
-                                  .Attr<int32_t>("bf16_products")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.attention import AttentionMetadata, write_kv
-from jaxserve.attention_backends import paged_attention
+from jaxserve.attention import AttentionMetadata
+from jaxserve.attention_backends import paged_attention, write_kv
 from jaxserve.config import ModelConfig
 from jaxserve.cpu_ffi import PackedWeight, matmul, silu_gated_matmul
 
@@ -139,7 +139,7 @@ def _layer(h, k_pages, v_pages, lp, layer, cos, sin, md: AttentionMetadata, *, c
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-    k_pages, v_pages = write_kv(k_pages, v_pages, layer, k, v, md.slot_mapping)
+    k_pages, v_pages = write_kv(k_pages, v_pages, layer, k, v, md.slot_mapping, backend=attention_backend)
     attn = paged_attention(
         q, k_pages, v_pages, layer, md,
         scale=cfg.scale,
