@@ -46,10 +46,11 @@ GPU = KindDefaults("a GPU", "bfloat16", 128, 2048, None, None, "the engine measu
 
 
 # auto: the Pallas kernels on a Hopper GPU when the model fits them, the C++ kernel of cpu_ffi.py on a
-# CPU with float32 pages, else XLA (attention_backends.py says why it chose).
+# CPU for a float32 engine (float32 or bfloat16 pages), else XLA (attention_backends.py says why it chose).
 ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas", "pallas-interpret")
 # auto: the C++ packed-weight matmul on a CPU (float32) when it builds, else XLA's dot. cpu-bf16: the same
-# kernel with bfloat16 weights (x rounded to bfloat16, float32 sums; activations and pages stay float32).
+# kernel with bfloat16 weights (x rounded to bfloat16, float32 sums; activations stay float32, the KV
+# pages are bfloat16 unless kv_cache_dtype says otherwise).
 MATMUL_BACKENDS = ("auto", "xla", "cpu", "cpu-bf16")
 # auto: float32 on a CPU (its fast dtype), bfloat16 on a GPU (the Pallas kernels'; float16 is not supported).
 DTYPES = ("auto", "float32", "bfloat16")

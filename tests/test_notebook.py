@@ -91,5 +91,6 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     assert len(steps) == 2 and steps[1] < steps[0], speculative  # fewer steps with speculation
     bf16 = _text_output(_cell(nb, "cpu-bf16"))
     assert "Paris" in bf16.split("cpu-bf16 answers:")[1] and "the same greedy tokens" in bf16, bf16
+    assert "KV pages: bfloat16 | attention: cpu-bf16" in bf16, bf16
     split = _text_output(_cell(nb, "tensor-parallel"))
     assert "tensor parallel over 2 cpu devices" in split and "same text: True" in split
