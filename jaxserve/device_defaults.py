@@ -75,7 +75,16 @@ def num_pool_pages(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
         return cfg.num_kv_pages
     assert cfg.kv_cache_memory_bytes is not None, "the pool is sized from memory: measure first"
     # The array's dummy page 0 comes out of the same budget
-    return cfg.kv_cache_memory_bytes // (model_cfg.kv_bytes_per_token(cfg.kv_cache_dtype) * cfg.block_size) - 1
+    page_bytes = model_cfg.kv_bytes_per_token(resolve_kv_cache_dtype(cfg)) * cfg.block_size
+    return cfg.kv_cache_memory_bytes // page_bytes - 1
+
+
+def resolve_kv_cache_dtype(cfg: EngineConfig, dtype: str | None = None) -> str:
+    """The KV pages' dtype: kv_cache_dtype, or for "auto" that of the engine's `dtype` (resolved; cfg.dtype by
+    default), bfloat16 under matmul_backend "cpu-bf16"."""
+    if cfg.kv_cache_dtype != "auto":
+        return cfg.kv_cache_dtype
+    return "bfloat16" if cfg.matmul_backend == "cpu-bf16" else (dtype or cfg.dtype)
 
 
 def resolve(cfg: EngineConfig, model_cfg: ModelConfig, device: DeviceInfo,
@@ -95,11 +104,9 @@ def resolve(cfg: EngineConfig, model_cfg: ModelConfig, device: DeviceInfo,
     if cfg.kv_cache_dtype == "float32" and dtype != "float32":
         raise ValueError(f"kv_cache_dtype='float32' needs dtype='float32' (the engine runs {dtype}); "
                          f"leave kv_cache_dtype 'auto'")
-    kv_cache_dtype = cfg.kv_cache_dtype
-    if kv_cache_dtype == "auto":  # said at start-up only where it is not dtype
-        kv_cache_dtype = "bfloat16" if cfg.matmul_backend == "cpu-bf16" else dtype
-        if kv_cache_dtype != dtype:
-            changes["kv_cache_dtype"] = kv_cache_dtype
+    kv_cache_dtype = resolve_kv_cache_dtype(cfg, dtype)
+    if cfg.kv_cache_dtype == "auto" and kv_cache_dtype != dtype:  # said at start-up only where it is not dtype
+        changes["kv_cache_dtype"] = kv_cache_dtype
     # An unset limit yields to one the user gave: a step of max_num_batched_tokens holds max_num_seqs rows.
     max_num_seqs = cfg.max_num_seqs
     if max_num_seqs is None:

@@ -63,7 +63,8 @@ def draft_engine_config(spec: SpeculativeConfig, engine_cfg: EngineConfig, model
         target_pages = device_defaults.num_pool_pages(engine_cfg, model_cfg)
     num_pages = min(engine_cfg.max_num_seqs * pages_per_seq, target_pages)
     if max_pool_bytes is not None:
-        page_bytes = draft_cfg.kv_bytes_per_token(engine_cfg.kv_cache_dtype) * engine_cfg.block_size
+        kv_dtype = device_defaults.resolve_kv_cache_dtype(engine_cfg)
+        page_bytes = draft_cfg.kv_bytes_per_token(kv_dtype) * engine_cfg.block_size
         num_pages = min(num_pages, max_pool_bytes // page_bytes)
     max_num_seqs = min(engine_cfg.max_num_seqs, spec.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE)
     return dataclasses.replace(
