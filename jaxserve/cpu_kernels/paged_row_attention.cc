@@ -429,7 +429,7 @@ constexpr bool kBf16Products = false;
 // (queries [D / 2, kTileLanes], each key [D / 2]); the weighted sum pairs along keys (weights
 // [keys / 2, kTileLanes], values [keys / 2, D]). Every operand is rounded once per tile, before its
 // products; the values are read from their pages once for all the tile's lanes.
-typedef uint32_t PairVec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+using PairVec = UintVec;  // two bfloat16 in each 32-bit lane
 typedef uint32_t UnalignedPairVec __attribute__((vector_size(kLanes * sizeof(uint32_t)), aligned(4)));
 
 inline PairVec LoadPairs(const uint32_t* x) { return *reinterpret_cast<const UnalignedPairVec*>(x); }
