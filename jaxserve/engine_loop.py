@@ -9,6 +9,19 @@ A request that fails while being served (detokenizing, stop checks, its sampling
 building its delta) ends alone, with finish reason "error" and a `RequestFailed` in its last delta;
 only a failure of the step itself (the model call) kills the loop, which then fails every open stream
 and leaves `error` set, so health checks can say so.
+
+Nothing waits forever on a dead loop: however it ends (a step raised, `fail` from another thread, the
+watchdog, shutdown), every request it holds and every one still queued for it gets a final delta with
+an error, and `submit` re-checks after queueing, so a request queued as the loop died is ended too.
+
+The watchdog (vLLM's `VLLM_ENGINE_ITERATION_TIMEOUT_S`, here `iteration_timeout_s` and the server's
+--engine-iteration-timeout-s): the loop writes a timestamp when a step starts, and a second thread
+declares the engine stuck (`EngineStuck`, through `fail`) when one step runs past the limit: by default
+`ITERATION_TIMEOUT_MULTIPLE` times the slowest step seen so far, never under `MIN_ITERATION_TIMEOUT_S`.
+A wedged device, a collective waiting on a hung peer or a blocked send leaves the engine thread blocked
+where it is: Python cannot kill a thread, so it stays blocked (a daemon thread, it does not hold up
+the process's exit), and no request waits on it any more; the process must be restarted (the
+data-parallel launcher restarts a replica whose /health stays 503).
 """
 
 from __future__ import annotations
@@ -16,8 +29,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import queue
 import threading
+import time
 
 from jaxserve.engine import LLMEngine
 from jaxserve.errors import RequestFailed
@@ -25,6 +40,15 @@ from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
+MIN_ITERATION_TIMEOUT_S = 60.0  # the derived limit's floor: CI machines are slow and loaded
+ITERATION_TIMEOUT_MULTIPLE = 20  # times the slowest step seen so far
+# Fault injection for tests, read once at start: with it set, a step of the process that finds the file
+# `$JAXSERVE_FAULT_HANG_DIR/hang-<its pid>` blocks forever before calling the model, as a wedged device.
+FAULT_HANG_DIR_ENV = "JAXSERVE_FAULT_HANG_DIR"
+
+
+class EngineStuck(RuntimeError):
+    """The watchdog's verdict: one step ran past the iteration timeout."""
 
 
 @dataclasses.dataclass
@@ -71,7 +95,11 @@ class RequestStream:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05):
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05, iteration_timeout_s: float | None = None):
+        """`iteration_timeout_s`: a step that runs longer declares the engine stuck; None derives the limit
+        from the steps seen (see the module docstring)."""
+        if iteration_timeout_s is not None and not iteration_timeout_s > 0:
+            raise ValueError(f"{iteration_timeout_s=} must be a positive number of seconds (or None: derived)")
         self.engine = engine
         self.error: BaseException | None = None
         # The engine's counters as of its last step, published by the engine thread for readers on
@@ -83,31 +111,57 @@ class EngineLoop:
         self._wakeup = threading.Event()
         self._stopped = threading.Event()
         self._idle_wait_s = idle_wait_s
+        self._iteration_timeout_s = iteration_timeout_s
+        self._step_started: float | None = None  # time.monotonic() at the start of the running step
+        self._slowest_step_s = 0.0
+        hang_dir = os.environ.get(FAULT_HANG_DIR_ENV)
+        self._hang_file = os.path.join(hang_dir, f"hang-{os.getpid()}") if hang_dir else None
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="jaxserve-engine-watchdog", daemon=True)
 
     def start(self) -> "EngineLoop":
         self._thread.start()
+        self._watchdog.start()
         return self
 
     def shutdown(self, timeout: float = 30.0) -> None:
         self._stopped.set()
         self._wakeup.set()
-        if self._thread.is_alive():
+        if self._thread.is_alive() and self.error is None:  # a failed loop's thread may be blocked for good
             self._thread.join(timeout)
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        return self._thread.is_alive() and self.error is None and not self._stopped.is_set()
 
-    def fail(self, message: str) -> None:
-        """Marks the loop dead and ends every open stream with an error, from any thread: for a failure
-        outside the engine thread (a multi-host follower gone) while that thread may be blocked in a
-        step that waits for it. Only streams are touched, through their thread-safe `put`."""
-        self.error = RuntimeError(message)
+    @property
+    def iteration_timeout_s(self) -> float:
+        if self._iteration_timeout_s is not None:
+            return self._iteration_timeout_s
+        return max(MIN_ITERATION_TIMEOUT_S, ITERATION_TIMEOUT_MULTIPLE * self._slowest_step_s)
+
+    def fail(self, message: str, error_type: type[RuntimeError] = RuntimeError) -> None:
+        """Marks the loop dead and ends every open and queued request with an error, from any thread: for
+        a failure outside the engine thread (a multi-host follower gone, the watchdog) while that thread
+        may be blocked in a step. Only streams and the command queue are touched, both thread-safe."""
+        if self.error is None:
+            self.error = error_type(message)
         self._stopped.set()
         self._wakeup.set()
+        self._end_all(self.error)
+
+    def _end_all(self, error: BaseException) -> None:
+        """Ends every stream the engine holds and every one still queued for it (the loop is dead or
+        stopping: whatever it did not take by now it never will)."""
         for stream in list(self._streams.values()):
-            stream.put(StreamDelta([], error=self.error))
+            stream.put(StreamDelta([], error=error))
+        while True:
+            try:
+                command, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command == "add":
+                arg.put(StreamDelta([], error=error))
 
     # -- callers' side (any thread) -----------------------------------------------------------------
 
@@ -121,6 +175,9 @@ class EngineLoop:
         stream = RequestStream(request, loop)
         self._commands.put(("add", stream))
         self._wakeup.set()
+        if not self.is_alive:  # it died after the check above, maybe after its last drain of the queue
+            self._end_all(self.error or RuntimeError("the engine is shutting down"))
+            raise RuntimeError("the engine loop is not running") from self.error
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -138,7 +195,14 @@ class EngineLoop:
                     self._wakeup.wait(self._idle_wait_s)
                     self._wakeup.clear()
                     continue
-                for request in self.engine.step():
+                self._step_started = started = time.monotonic()
+                if self._hang_file is not None and os.path.exists(self._hang_file):
+                    logger.warning("fault injection: %s exists; this step blocks forever", self._hang_file)
+                    threading.Event().wait()
+                outputs = self.engine.step()
+                self._step_started = None
+                self._slowest_step_s = max(self._slowest_step_s, time.monotonic() - started)
+                for request in outputs:
                     try:
                         self._deliver(request)
                     except Exception:  # noqa: BLE001 - one request's failure must not end the loop
@@ -146,15 +210,30 @@ class EngineLoop:
                         self._end_failed(request)
         except BaseException as e:  # noqa: BLE001 - the loop must report any death
             logger.exception("the engine loop died")
-            self.error = e
-            for stream in list(self._streams.values()):
-                stream.put(StreamDelta([], error=e))
+            if self.error is None:
+                self.error = e
+            self._stopped.set()
+            self._end_all(self.error)
             self._streams.clear()
             return
-        for stream in list(self._streams.values()):  # shut down: end every open stream
-            stream.put(StreamDelta([], error=RuntimeError("the engine is shutting down")))
+        for stream in list(self._streams.values()):  # shut down (or failed from outside): end every open stream
             self.engine.abort_request(stream.request_id)
+        self._end_all(self.error or RuntimeError("the engine is shutting down"))
         self._streams.clear()
+
+    def _watch(self) -> None:
+        """The watchdog thread: fails the loop once a step runs past the limit; ends when the loop stops."""
+        poll_s = min(1.0, self.iteration_timeout_s / 10)
+        while not self._stopped.wait(poll_s):
+            started = self._step_started
+            if started is None:
+                continue
+            elapsed, limit = time.monotonic() - started, self.iteration_timeout_s
+            if elapsed > limit:
+                logger.error("the engine is stuck: a step has run for %.1f s, past the %.1f s limit", elapsed, limit)
+                self.fail(f"the engine is stuck: a step has run for more than {limit:g} s "
+                          f"(--engine-iteration-timeout-s)", EngineStuck)
+                return
 
     def _apply_commands(self) -> None:
         while True:

@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Callable, TypeVar
 
-from jaxserve.engine_loop import EngineLoop, RequestStream, StreamDelta
+from jaxserve.engine_loop import EngineLoop, EngineStuck, RequestStream, StreamDelta
 from jaxserve.errors import InvalidParameter
 from jaxserve.sampling import SamplingParams
 from server.errors import APIError
@@ -58,6 +58,8 @@ class ServerState:
         if self.draining:
             return "the server is shutting down"
         if not self.engine_loop.is_alive:
+            if isinstance(self.engine_loop.error, EngineStuck):  # the watchdog's verdict names no internals
+                return str(self.engine_loop.error)
             return "the engine is not running"
         return None
 

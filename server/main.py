@@ -43,7 +43,7 @@ def serve(args: argparse.Namespace) -> None:
     engine, warmup = LLMEngine.from_config(args.model, engine_config_from_args(args))
     if chat_template is not None:
         engine.tokenizer.chat_template = chat_template
-    engine_loop = EngineLoop(engine).start()
+    engine_loop = EngineLoop(engine, iteration_timeout_s=args.engine_iteration_timeout_s).start()
     if engine.leader is not None:  # a multi-host group's leader: a follower's end ends serving
         engine.leader.on_follower_lost = engine_loop.fail
     name = args.served_model_name or (os.path.basename(str(args.model).rstrip("/")) if args.model
@@ -122,6 +122,10 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router-policy", default="cache_aware",
                         choices=["cache_aware", "round_robin", "power_of_two", "random"],
                         help="how the router spreads requests over the replicas (with --data-parallel-size)")
+    parser.add_argument("--engine-iteration-timeout-s", type=float, default=None,
+                        help="a step that runs longer declares the engine stuck: /health turns 503 and open "
+                             "requests end with an error (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S; default: 20x "
+                             "the slowest step seen, at least 60 s)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM/SIGINT, seconds to let in-flight requests finish before ending them "
                              "with an error")

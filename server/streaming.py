@@ -17,7 +17,7 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from jaxserve.engine_loop import RequestStream, StreamDelta
+from jaxserve.engine_loop import EngineStuck, RequestStream, StreamDelta
 from jaxserve.errors import InvalidParameter, RequestFailed
 from server.admission import ServerShuttingDown, ServerState, Submission
 from server.errors import APIError, error_body
@@ -33,7 +33,7 @@ def api_error(e: BaseException) -> APIError:
         return e
     if isinstance(e, InvalidParameter):
         return APIError.invalid(e)
-    if isinstance(e, ServerShuttingDown):
+    if isinstance(e, (ServerShuttingDown, EngineStuck)):
         return APIError(503, str(e))
     if isinstance(e, RequestFailed):
         return APIError(500, f"the request failed: {e}")
