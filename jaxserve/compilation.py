@@ -14,6 +14,8 @@ from pathlib import Path
 
 import jax
 
+from jaxserve import cache_dirs
+
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _lock = threading.Lock()
 _count = 0
@@ -74,13 +76,12 @@ def forbid_compilation():
 def enable_persistent_cache(cache_dir: str | os.PathLike | None = None) -> Path | None:
     """Points JAX's persistent compilation cache at `cache_dir` (default ~/.cache/jaxserve/xla).
 
-    JAXSERVE_COMPILATION_CACHE=off disables it; a path there overrides the default.
+    JAXSERVE_COMPILATION_CACHE=off disables it; a path there overrides the default. None when it is off,
+    or its directory cannot be created (no home directory, a read-only one: said in a warning).
     """
-    setting = os.environ.get("JAXSERVE_COMPILATION_CACHE", "")
-    if setting.lower() in ("off", "0", "false", "none"):
+    path = cache_dirs.cache_dir("xla", "JAXSERVE_COMPILATION_CACHE", cache_dir)
+    if path is None:
         return None
-    path = Path(cache_dir or setting or Path.home() / ".cache" / "jaxserve" / "xla").expanduser()
-    path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

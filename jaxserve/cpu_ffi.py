@@ -23,12 +23,20 @@ first kernel call dies of SIGILL. The features come from two places: the compile
 that `-march=native` predefines, `__AVX2__`, `__AVX512F__`, `__ARM_FEATURE_SVE` ...: exactly the
 instruction sets the library may use, on any OS, with GCC or clang) and, on Linux, the `flags` line
 of /proc/cpuinfo, which also tells apart CPUs whose differences no macro names; a key a little finer
-than needed costs at most a rebuild. Compiler warnings (-Wall) go to the log. Without a compiler `kernel_error()` says why, and the engine keeps
-XLA's attention and dot. Activations are float32; KV pages float32 or bfloat16 (`kv_cache_dtype`).
+than needed costs at most a rebuild. Compiler warnings (-Wall) go to the log. Without a compiler, or
+when the compiler runs past BUILD_TIMEOUT_S, `kernel_error()` says why, and the engine keeps XLA's
+attention and dot. Activations are float32; KV pages float32 or bfloat16 (`kv_cache_dtype`).
+
+A library is loaded only from a directory of this user's that nobody else can write to (a directory
+others can write to lets them put their code into this process): a kernel cache that is not (a shared
+/tmp, a group-writable home), or that cannot be created (no home directory, a read-only one), is left
+out with a warning naming it and why, and the kernels are built for this process alone in a private
+temporary directory (JAXSERVE_KERNEL_CACHE=off does the same without the warning).
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import dataclasses
 import functools
@@ -38,14 +46,19 @@ import logging
 import os
 import platform
 import shutil
+import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxserve import cache_dirs
 
 logger = logging.getLogger(__name__)
 KERNELS_DIR = Path(__file__).parent / "cpu_kernels"
@@ -65,6 +78,8 @@ _registered = False  # XLA keeps the first handler registered under a target for
 _register_lock = threading.Lock()
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17", "-Wall")
+# The compiler's limit: far above a build's time on a slow machine, so that only a hung compiler meets it.
+BUILD_TIMEOUT_S = 600
 
 
 def cpu_features() -> str:
@@ -124,28 +139,90 @@ def cache_key(sources: list[str], compiler: str, flags: tuple[str, ...], jax_ver
 
 
 def library_path(compiler: str) -> Path:
+    """Where the library for `compiler` is built and loaded from: in `kernel_dir()`, named by `cache_key`."""
     features = f"{cpu_features()}\n{native_target(compiler)}"
     key = cache_key([source.read_text() for source in SOURCES + HEADERS], compiler_identity(compiler), FLAGS,
                     jax.__version__, platform.machine(), features)
-    root = os.environ.get("JAXSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "jaxserve" / "kernels"
-    return Path(root).expanduser() / f"cpu_kernels-{key}.so"
+    return kernel_dir() / f"cpu_kernels-{key}.so"
 
 
-def build_library(compiler: str, sources: tuple[Path, ...], library: Path) -> str | None:
+def unsafe_to_load_from(directory: Path) -> str | None:
+    """Why a shared library in `directory` must not be loaded: someone other than this user owns the
+    directory or can write to it, and so could have put their code there. None when it is safe."""
+    info = directory.stat()
+    if info.st_uid != os.getuid():
+        return f"it is owned by uid {info.st_uid}, not by this user (uid {os.getuid()})"
+    if info.st_mode & 0o022:
+        who = "other users" if info.st_mode & 0o002 else "its group"
+        return f"it is writable by {who} (mode {stat.S_IMODE(info.st_mode):#o})"
+    return None
+
+
+def kernel_dir() -> Path:
+    """The kernel cache directory, created, where it can be and is safe to load from (`unsafe_to_load_from`);
+    else, with a warning naming it and why, a private temporary directory of this process's."""
+    root = cache_dirs.cache_dir("kernels", "JAXSERVE_KERNEL_CACHE", mode=0o755)
+    if root is None:
+        return _private_kernel_dir()
+    try:
+        reason = unsafe_to_load_from(root)
+    except OSError as e:
+        reason = f"it cannot be examined ({e.strerror or e})"
+    if reason is None:
+        return root
+    cache_dirs.warn_without_cache("kernels", f"not loading the CPU kernels from {str(root)!r}: {reason}; building "
+                                             f"them for this process alone (make it yours and `chmod go-w` it, or "
+                                             f"point JAXSERVE_KERNEL_CACHE elsewhere)")
+    return _private_kernel_dir()
+
+
+@functools.cache
+def _private_kernel_dir() -> Path:
+    directory = Path(tempfile.mkdtemp(prefix="jaxserve-kernels-"))  # mode 0o700, this user's
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)  # a loaded library stays mapped
+    return directory
+
+
+def build_library(compiler: str, sources: tuple[Path, ...], library: Path,
+                  timeout_s: float | None = None) -> str | None:
     """Compiles `sources` into the shared library `library` (atomically); returns why it failed, or
-    None. Compiler warnings are logged."""
-    library.parent.mkdir(parents=True, exist_ok=True)
-    tmp = library.with_name(f"{library.stem}.tmp{os.getpid()}.so")
+    None. Compiler warnings are logged. timeout_s (default BUILD_TIMEOUT_S): the compiler is stopped
+    after that long, and the build has failed."""
+    timeout_s = BUILD_TIMEOUT_S if timeout_s is None else timeout_s
+    tmp = library.with_name(f"{library.stem}.tmp{os.getpid()}-{threading.get_ident()}.so")
     # JAX's FFI headers as system headers: their warnings are not ours to fix.
     command = [compiler, *FLAGS, "-isystem", jax.ffi.include_dir(), *map(str, sources), "-o", str(tmp)]
-    build = subprocess.run(command, capture_output=True, text=True)
-    if build.returncode != 0:
+    try:
+        library.parent.mkdir(parents=True, exist_ok=True)
+        returncode, stderr = _run_compiler(command, timeout_s)
+        if returncode != 0:
+            return f"building the CPU kernels failed: {stderr.strip()[-500:]}"
+        if stderr.strip():
+            logger.warning("the CPU kernels built with compiler warnings:\n%s", stderr.strip())
+        os.chmod(tmp, 0o755)  # whatever the umask: nobody else may write code this process loads
+        os.replace(tmp, library)
+    except subprocess.TimeoutExpired:
+        return (f"building the CPU kernels timed out: the compiler {compiler!r} ran longer than the "
+                f"{timeout_s:g} s timeout (BUILD_TIMEOUT_S) and was stopped")
+    except OSError as e:
+        return f"building the CPU kernels into {str(library.parent)!r} failed: {e}"
+    finally:
         tmp.unlink(missing_ok=True)
-        return f"building the CPU kernels failed: {build.stderr.strip()[-500:]}"
-    if build.stderr.strip():
-        logger.warning("the CPU kernels built with compiler warnings:\n%s", build.stderr.strip())
-    os.replace(tmp, library)
     return None
+
+
+def _run_compiler(command: list[str], timeout_s: float) -> tuple[int, str]:
+    """(exit status, stderr) of `command`, run in its own process group so that a timeout stops all it
+    started (the driver's cc1plus, as and ld would outlive it and write the output after we gave up)."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        _, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    return process.returncode, stderr
 
 
 def kernel_error() -> str | None:
@@ -166,7 +243,10 @@ def _build_and_register() -> str | None:
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         return f"no C++ compiler ({compiler!r} is not on PATH) to build the CPU kernels"
-    library = library_path(compiler)
+    try:
+        library = library_path(compiler)
+    except OSError as e:  # not even a temporary directory to build in
+        return f"no directory to build the CPU kernels in: {e}"
     if not library.exists():
         print("jaxserve: building the CPU kernels (once)", file=sys.stderr, flush=True)
         error = build_library(compiler, SOURCES, library)

@@ -5,7 +5,9 @@ reach the log instead of being silenced."""
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import time
 
 import pytest
 
@@ -68,3 +70,86 @@ def test_compiler_warnings_are_logged(tmp_path, caplog):
         assert cpu_ffi.build_library("c++", (source,), tmp_path / "warns.so") is None
     assert (tmp_path / "warns.so").exists()
     assert any("unused" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+
+
+def fake_compiler(tmp_path, body: str):
+    """An executable standing in for the C++ compiler: answers the version and target queries at once,
+    runs `body` (sh) for a build."""
+    compiler = tmp_path / "fake-c++"
+    compiler.write_text(f'#!/bin/sh\ncase "$*" in *--version*|*-dM*) exit 0;; esac\n{body}\n')
+    compiler.chmod(0o755)
+    return compiler
+
+
+def process_gone(pid: int) -> bool:
+    """Whether `pid` has exited (a zombie no init reaped counts: it runs no more)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads the compiler's child's state in /proc (Linux)")
+def test_a_compiler_that_runs_past_the_timeout_is_stopped_with_all_it_started(tmp_path):
+    """A hung compiler hung start-up: the build has a timeout, its error names it, and the compiler's own
+    children (cc1plus, as, ld: here a `sleep`) are stopped too, leaving no half-written library."""
+    child_pid = tmp_path / "child.pid"
+    compiler = fake_compiler(tmp_path, f"sleep 3600 &\necho $! > {child_pid}\nwait")
+    source = tmp_path / "k.cc"
+    source.write_text("int f() { return 1; }\n")
+    library = tmp_path / "lib" / "k.so"
+    error = cpu_ffi.build_library(str(compiler), (source,), library, timeout_s=1)
+    assert error is not None and "timed out" in error and "1 s timeout" in error and str(compiler) in error
+    deadline = time.monotonic() + 60
+    while not process_gone(int(child_pid.read_text())) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process_gone(int(child_pid.read_text()))
+    assert list(library.parent.iterdir()) == []
+
+
+def test_kernel_error_names_the_compiler_timeout_and_the_engine_keeps_xla(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", str(fake_compiler(tmp_path, "exec sleep 3600")))
+    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path / "kernels"))
+    monkeypatch.setattr(cpu_ffi, "BUILD_TIMEOUT_S", 1)
+    cpu_ffi.forget_kernel_error()
+    try:
+        error = cpu_ffi.kernel_error()
+    finally:
+        cpu_ffi.forget_kernel_error()  # later tests build with the real compiler
+    assert error is not None and "timed out" in error and "BUILD_TIMEOUT_S" in error
+
+
+@pytest.mark.parametrize("mode, why", [(0o777, "writable by other users"), (0o775, "writable by its group")])
+def test_a_kernel_cache_others_can_write_to_is_refused_by_name(tmp_path, monkeypatch, caplog, mode, why):
+    """Anyone who can write to the directory a library is loaded from can put their code into this
+    process: the kernels are built elsewhere, privately, and a warning names the directory and why."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(mode)
+    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(shared))
+    with caplog.at_level(logging.WARNING, logger="jaxserve.cache_dirs"):
+        library = cpu_ffi.library_path("c++")
+    assert library.parent != shared
+    assert cpu_ffi.unsafe_to_load_from(library.parent) is None
+    assert any(str(shared) in r.getMessage() and why in r.getMessage() for r in caplog.records)
+
+
+def test_a_kernel_cache_that_cannot_be_created_is_left_out_and_said(tmp_path, monkeypatch, caplog):
+    """A read-only or missing home (here: a path under a regular file, which stops root too): the kernels
+    are built in a private temporary directory, with a warning."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.delenv("JAXSERVE_KERNEL_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "file" / "home"))
+    with caplog.at_level(logging.WARNING, logger="jaxserve.cache_dirs"):
+        library = cpu_ffi.library_path("c++")
+    assert not str(library).startswith(str(tmp_path))
+    assert cpu_ffi.unsafe_to_load_from(library.parent) is None
+    assert any("running without its kernels cache" in r.getMessage() and str(tmp_path / "file") in r.getMessage()
+               for r in caplog.records)
+
+
+def test_the_kernel_cache_this_user_alone_can_write_to_is_used(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path / "kernels"))
+    assert cpu_ffi.library_path("c++").parent == tmp_path / "kernels"
+    assert (tmp_path / "kernels").stat().st_mode & 0o022 == 0

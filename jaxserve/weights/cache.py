@@ -2,42 +2,106 @@
 model converted (config as JSON, params as safetensors), so that later starts skip parsing GGUF
 metadata, building a transformers config and dequantizing.
 
-Entries are keyed by the file's path, size and modification time (and the dtype, for models). The
-caches are an optimization: a damaged entry is rebuilt and a failed write is ignored, never an error.
-`JAXSERVE_TOKENIZER_CACHE` and `JAXSERVE_MODEL_CACHE` move them (`JAXSERVE_MODEL_CACHE=off` turns the
-model cache off). What to build on a miss is `gguf.py`'s business.
+Entries are keyed by the file's content (a sha256 of all of it, and the dtype for models): a file
+replaced in place, even with its size and modification time put back, is another entry. Hashing reads
+the whole file once per load, a small part of a start (benchmarks/results/gguf_cache_hash.md). An
+entry is written into a temporary directory beside it and renamed into place, under a lock file next to
+it (`entry_lock`), so that concurrent first loads of one file convert it once and a reader never sees
+half an entry.
+
+The caches are an optimization: a damaged entry is rebuilt, and a cache that cannot be created or written
+(no home directory, a read-only one, a full disk) is left out with a warning (`cache_dirs.py`), never an
+error. `JAXSERVE_TOKENIZER_CACHE` and `JAXSERVE_MODEL_CACHE` move them (`off` turns either off). What to
+build on a miss is `gguf.py`'s business.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import glob
 import hashlib
 import json
 import os
 import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from jaxserve.cache_dirs import cache_dir, warn_without_cache
 from jaxserve.config import ModelConfig, ModelLoadError
 from jaxserve.weights.hf import SafetensorsFiles, load_tokenizer_dir
 from jaxserve.weights.loaded import CHECKPOINT_MARKER, LoadedModel, config_from_dict
 
+try:
+    import fcntl
+except ImportError:  # no flock (Windows): concurrent first loads may each convert; the rename stays atomic
+    fcntl = None
+
 CONVERTED_FORMAT = 1  # bump when the params layout or the conversion changes
 
 
-def _file_key(path: Path) -> str:
-    stat = path.stat()
-    return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+def file_digest(path: Path) -> str:
+    """The sha256 of the file's content: what its cache entries are keyed by (a file's size and
+    modification time can be put back after its content changed)."""
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError as e:
+        raise ModelLoadError(f"cannot read GGUF file {str(path)!r}: {e.strerror or e}") from None
+
+
+@contextlib.contextmanager
+def entry_lock(entry: Path) -> Iterator[None]:
+    """Holds the lock of the cache entry `entry` (the file `<entry>.lock` beside it): one process or thread
+    at a time checks, builds and writes it. Holding it, no other writer's temporary directory for `entry`
+    can be live, so any left (by a process killed mid-write) is removed. Where no lock file can be
+    created (a read-only cache) nothing is locked: nothing can be written there either."""
+    try:
+        fd = os.open(entry.with_name(f"{entry.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        fd = None
+    if fd is None or fcntl is None:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # flock, not lockf: it also excludes this process's other threads
+        for stale in entry.parent.glob(f"{glob.escape(entry.name)}.tmp*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _write_entry(entry: Path, write: Callable[[Path], None], cache_name: str) -> None:
+    """Calls write(directory) on a fresh temporary directory beside `entry`, then renames it to `entry`;
+    removes the temporary directory whatever happens. A cache that cannot be written is warned about and
+    skipped. The caller holds `entry_lock(entry)`."""
+    tmp = None
+    try:
+        tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f"{entry.name}.tmp"))
+        os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would hide a shared cache's entries from its other users
+        write(tmp)
+        if entry.exists():
+            shutil.rmtree(entry)  # a damaged entry: os.replace cannot replace a non-empty directory
+        os.replace(tmp, entry)
+        tmp = None
+    except OSError as e:
+        warn_without_cache(cache_name, f"cannot write {str(entry)!r} ({e.strerror or e})")
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------------
 # Tokenizers: building one from GGUF metadata is slow for a large vocabulary
 
 
-def tokenizer_dir(path: Path) -> Path:
-    """Where the tokenizer built from the GGUF file `path` is kept."""
-    key = hashlib.sha256(_file_key(path).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("JAXSERVE_TOKENIZER_CACHE", Path.home() / ".cache" / "jaxserve" / "tokenizers"))
-    return cache.expanduser() / key
+def tokenizer_dir(digest: str) -> Path | None:
+    """Where the tokenizer built from the GGUF file whose content hashes to `digest` is kept; None
+    without a tokenizer cache."""
+    root = cache_dir("tokenizers", "JAXSERVE_TOKENIZER_CACHE")
+    return None if root is None else root / digest[:32]
 
 
 def load_tokenizer(cached: Path):
@@ -51,25 +115,20 @@ def load_tokenizer(cached: Path):
 
 
 def save_tokenizer(tokenizer, cached: Path) -> None:
-    try:
-        tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, cached) if not cached.exists() else shutil.rmtree(tmp)
-    except OSError:
-        pass  # a read-only home must not stop loading
+    _write_entry(cached, tokenizer.save_pretrained, "tokenizers")
 
 
 # ----------------------------------------------------------------------------------------------
 # Converted models
 
 
-def converted_model_dir(path: Path, dtype: str) -> Path | None:
-    """Where the converted copy of the GGUF file `path` lives; None when JAXSERVE_MODEL_CACHE=off."""
-    setting = os.environ.get("JAXSERVE_MODEL_CACHE", "")
-    if setting.lower() in ("off", "0", "false", "none"):
+def converted_model_dir(path: Path, digest: str, dtype: str) -> Path | None:
+    """Where the converted copy of the GGUF file `path`, whose content hashes to `digest`, lives; None
+    without a model cache (JAXSERVE_MODEL_CACHE=off, or none can be created)."""
+    root = cache_dir("models", "JAXSERVE_MODEL_CACHE")
+    if root is None:
         return None
-    key = f"{CONVERTED_FORMAT}|{_file_key(path)}|{dtype}"
-    root = Path(setting or Path.home() / ".cache" / "jaxserve" / "models").expanduser()
+    key = f"{CONVERTED_FORMAT}|{digest}|{dtype}"
     return root / f"{path.stem}-{dtype}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
@@ -113,14 +172,10 @@ def save_converted(loaded: LoadedModel, cached: Path) -> None:
                 flat[prefix + name] = value
 
     walk(loaded.params, "")
-    tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
-    try:
-        tmp.mkdir(parents=True, exist_ok=True)
-        save_file(flat, tmp / "params.safetensors")
+
+    def write(directory: Path) -> None:
+        save_file(flat, directory / "params.safetensors")
         meta = {"config": dataclasses.asdict(loaded.config), "source": loaded.source}
-        (tmp / CHECKPOINT_MARKER).write_text(json.dumps(meta, indent=2))
-        if cached.exists():
-            shutil.rmtree(cached)
-        os.replace(tmp, cached)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)  # a full disk must not stop loading
+        (directory / CHECKPOINT_MARKER).write_text(json.dumps(meta, indent=2))
+
+    _write_entry(cached, write, "models")

@@ -86,18 +86,22 @@ def load_gguf(path: Path, dtype: str, lazy: bool = False) -> LoadedModel:
     """Reads a GGUF file, or the converted copy of it that an earlier load left in the model cache.
     lazy: LazyTensor params, which read slices of the converted copy, or else dequantize their GGUF
     tensor and slice it (a lazy load writes no converted copy: that needs the whole model at once)."""
-    cached = cache.converted_model_dir(path, dtype)
-    converted = cache.load_converted(cached, dtype, lazy) if cached is not None else None
-    if converted is not None:
-        cfg, params = converted
-        return LoadedModel(cfg, params, load_gguf_tokenizer(path), str(path))
-    loaded = _convert(path, dtype, lazy)
-    if cached is not None and not lazy:
-        cache.save_converted(loaded, cached)
-    return loaded
+    digest = cache.file_digest(path)
+    cached = cache.converted_model_dir(path, digest, dtype)
+    if cached is None:
+        return _convert(path, dtype, lazy, digest)
+    with cache.entry_lock(cached):  # concurrent first loads of one file: one converts, the rest read its copy
+        converted = cache.load_converted(cached, dtype, lazy)
+        if converted is not None:
+            cfg, params = converted
+            return LoadedModel(cfg, params, load_gguf_tokenizer(path, digest), str(path))
+        loaded = _convert(path, dtype, lazy, digest)
+        if not lazy:
+            cache.save_converted(loaded, cached)
+        return loaded
 
 
-def _convert(path: Path, dtype: str, lazy: bool) -> LoadedModel:
+def _convert(path: Path, dtype: str, lazy: bool, digest: str) -> LoadedModel:
     import gguf
     from transformers import AutoConfig
 
@@ -153,7 +157,7 @@ def _convert(path: Path, dtype: str, lazy: bool) -> LoadedModel:
         return LazyTensor(shape, np.float32, lambda index: get(name)[index])
 
     params = params_from_hf(cfg, get_lazy if lazy else get, dtype, desc=f"loading {path.name}")
-    return LoadedModel(cfg, params, load_gguf_tokenizer(path), str(path))
+    return LoadedModel(cfg, params, load_gguf_tokenizer(path, digest), str(path))
 
 
 def torch_installed() -> bool:
@@ -170,12 +174,20 @@ def require_torch(path: Path) -> None:
         )
 
 
-def load_gguf_tokenizer(path: Path):
-    """The tokenizer of a GGUF file, built from its metadata on the first load and cached on disk."""
-    cached = cache.tokenizer_dir(path)
-    tokenizer = cache.load_tokenizer(cached)
-    if tokenizer is None:
-        require_torch(path)
-        tokenizer = load_tokenizer_dir(path.parent, gguf_file=path.name)
-        cache.save_tokenizer(tokenizer, cached)
+def load_gguf_tokenizer(path: Path, digest: str | None = None):
+    """The tokenizer of a GGUF file, built from its metadata on the first load and cached on disk.
+    digest: the file's `cache.file_digest`, where the caller has it already."""
+    cached = cache.tokenizer_dir(digest or cache.file_digest(path))
+    if cached is None:
+        return _build_tokenizer(path)
+    with cache.entry_lock(cached):
+        tokenizer = cache.load_tokenizer(cached)
+        if tokenizer is None:
+            tokenizer = _build_tokenizer(path)
+            cache.save_tokenizer(tokenizer, cached)
     return tokenizer
+
+
+def _build_tokenizer(path: Path):
+    require_torch(path)
+    return load_tokenizer_dir(path.parent, gguf_file=path.name)

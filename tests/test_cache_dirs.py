@@ -1,0 +1,64 @@
+"""Where jaxserve's caches live (`jaxserve/cache_dirs.py`) and the rule that each is optional: without a
+usable home directory a start goes on without them, saying so, instead of failing. The GGUF caches' and
+the kernels' own tests are in test_gguf_cache.py and test_cpu_kernel_build.py."""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+
+import jax
+import pytest
+
+from jaxserve import cache_dirs
+from jaxserve.compilation import enable_persistent_cache
+
+
+@pytest.fixture
+def home_under_a_file(tmp_path, monkeypatch):
+    """A HOME nothing can be created in, not even by root (for whom a read-only mode bit stops nothing)."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("HOME", str(tmp_path / "file" / "home"))
+    return tmp_path / "file" / "home"
+
+
+def test_a_cache_that_cannot_be_created_is_none_and_said_once(home_under_a_file, monkeypatch, caplog):
+    monkeypatch.delenv("JAXSERVE_TEST_CACHE", raising=False)
+    with caplog.at_level(logging.WARNING, logger="jaxserve.cache_dirs"):
+        assert cache_dirs.cache_dir("test", "JAXSERVE_TEST_CACHE") is None
+        assert cache_dirs.cache_dir("test", "JAXSERVE_TEST_CACHE") is None
+    (record,) = caplog.records
+    assert "running without its test cache" in record.getMessage()
+    assert str(home_under_a_file / ".cache" / "jaxserve" / "test") in record.getMessage()
+    assert "JAXSERVE_TEST_CACHE" in record.getMessage()
+
+
+def test_without_a_home_directory_a_cache_is_none_and_said(monkeypatch, caplog):
+    """No HOME and no password entry: pathlib cannot name a home, and raises."""
+    def no_home(cls):
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("JAXSERVE_TEST_CACHE", raising=False)
+    monkeypatch.setattr(pathlib.Path, "home", classmethod(no_home))
+    with caplog.at_level(logging.WARNING, logger="jaxserve.cache_dirs"):
+        assert cache_dirs.cache_dir("nohome", "JAXSERVE_TEST_CACHE") is None
+    assert any("no home directory" in r.getMessage() for r in caplog.records)
+
+
+def test_a_cache_moved_or_turned_off_by_its_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_TEST_CACHE", str(tmp_path / "moved"))
+    assert cache_dirs.cache_dir("test", "JAXSERVE_TEST_CACHE") == tmp_path / "moved"
+    assert (tmp_path / "moved").is_dir()
+    monkeypatch.setenv("JAXSERVE_TEST_CACHE", "off")
+    assert cache_dirs.cache_dir("test", "JAXSERVE_TEST_CACHE") is None
+
+
+def test_the_compilation_cache_without_a_usable_home_is_left_off_and_said(home_under_a_file, monkeypatch, caplog):
+    """An engine's start called enable_persistent_cache, which raised on a read-only or missing home."""
+    monkeypatch.delenv("JAXSERVE_COMPILATION_CACHE", raising=False)
+    before = jax.config.jax_compilation_cache_dir
+    with caplog.at_level(logging.WARNING, logger="jaxserve.cache_dirs"):
+        assert enable_persistent_cache() is None
+    assert jax.config.jax_compilation_cache_dir == before
+    assert any("running without its xla cache" in r.getMessage() and str(home_under_a_file) in r.getMessage()
+               for r in caplog.records)
