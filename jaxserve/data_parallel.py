@@ -10,8 +10,17 @@ is `server/app.py`'s.
 
 Failover: a replica that exits is removed from the router at once (the router's own health checks
 would take seconds, and its retries go back to the same dead replica), restarted on the same port
-with a growing back-off, and added again when its /health answers 200. Requests in flight on it end
-with an error (the router cuts their connections); the others never see it.
+with a growing back-off, and added again when its /health answers 200. A replica whose /health stops
+answering 200 for `UNHEALTHY_AFTER_S` (its engine declared stuck by the step watchdog, or the whole
+process wedged) is killed, its process group at once, and then restarted the same way. Requests in
+flight on it end with an error (the router cuts their connections); the others never see it.
+
+The API key never appears on a command line (`ps` shows those to every user): the replicas get it as
+JAXSERVE_API_KEY, the router through the environment of a small entry point (`ROUTER_MAIN`) that puts
+it into sglang-router's arguments in-process, as sglang-router 0.3.2 reads no key from the environment
+itself. Its worker-management endpoints (/workers: list, add, remove) always need a key: the user's,
+or else a random one only the launcher knows, so that nobody who can reach the router's port can
+point it at a server of theirs.
 
 Stopping: the first SIGTERM/SIGINT is passed on once to the router and every replica, which drain
 (up to --shutdown-timeout) and exit; a second one kills them. The children run in their own session,
@@ -25,6 +34,7 @@ import argparse
 import contextlib
 import ctypes
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -37,8 +47,22 @@ import httpx
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 POLL_S = 0.2
 MAX_BACKOFF_S = 30.0
-# Flags that describe the group rather than one replica; the launcher sets host and port itself.
-LAUNCHER_DESTS = {"data_parallel_size", "router_policy", "host", "port", "func", "command"}
+HEALTH_POLL_S = 1.0  # how often a replica in the router has its /health polled
+# A replica is killed after this long without a 200 from /health (and at least 3 polls): long enough
+# that a loaded machine's slow answers never take a healthy replica out.
+UNHEALTHY_AFTER_S = 10.0
+# Flags that describe the group rather than one replica; the launcher sets host and port itself, and
+# passes the API key through the environment.
+LAUNCHER_DESTS = {"data_parallel_size", "router_policy", "host", "port", "func", "command", "api_key"}
+# sglang-router's own `python -m sglang_router.launch_router`, with the keys from the environment (then
+# dropped from it) set in its arguments in-process: no key on its command line.
+ROUTER_MAIN = """import os, sys
+from sglang_router.launch_router import launch_router, parse_router_args
+args = parse_router_args(sys.argv[1:])
+args.api_key = os.environ.pop("JAXSERVE_ROUTER_API_KEY", None)
+args.control_plane_api_keys = [("jaxserve", "jaxserve launcher", os.environ.pop("JAXSERVE_ROUTER_ADMIN_KEY"), "admin")]
+launch_router(args)
+"""
 
 
 def log(message: str) -> None:
@@ -123,27 +147,49 @@ def _child_setup(cpus: list[int] | None):
 
 
 class Replica:
-    def __init__(self, rank: int, flags: list[str], env: dict, cpus: list[int] | None):
-        self.rank, self.flags, self.env, self.cpus = rank, flags, env, cpus
+    def __init__(self, rank: int, flags: list[str], env: dict, cpus: list[int] | None, api_key: str | None = None):
+        self.rank, self.flags, self.env, self.cpus, self.api_key = rank, flags, env, cpus, api_key
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
         self.in_router = False
         self.backoff_s = 1.0
         self.restart_at: float | None = None
+        self.next_health_poll = 0.0
+        self.failing_since: float | None = None  # the first of the current run of failed /health polls
+        self.num_failed_polls = 0
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "jaxserve.cli", "serve", *self.flags, "--host", "127.0.0.1",
                "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, env={**os.environ, **self.env}, start_new_session=True,
-                                     preexec_fn=_child_setup(self.cpus))
+        env = {**os.environ, **self.env, **({"JAXSERVE_API_KEY": self.api_key} if self.api_key else {})}
+        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_child_setup(self.cpus))
+        self.failing_since, self.num_failed_polls = None, 0
         placed = f"cores {self.cpus}" if self.cpus is not None else ", ".join(f"{k}={v}" for k, v in self.env.items())
         log(f"replica {self.rank}: pid {self.proc.pid} at {self.url} ({placed or 'unpinned'})")
 
-    def healthy(self) -> bool:
+    def healthy(self, timeout_s: float = 1.0) -> bool:
         with contextlib.suppress(httpx.HTTPError):
-            return httpx.get(self.url + "/health", timeout=1.0).status_code == 200
+            return httpx.get(self.url + "/health", timeout=timeout_s).status_code == 200
         return False
+
+    def stuck(self, now: float) -> bool:
+        """Polls /health (at most every HEALTH_POLL_S); True once it has failed for UNHEALTHY_AFTER_S."""
+        if now < self.next_health_poll:
+            return False
+        self.next_health_poll = now + HEALTH_POLL_S
+        if self.healthy(timeout_s=2.0):
+            self.failing_since, self.num_failed_polls = None, 0
+            return False
+        self.failing_since = self.failing_since or now
+        self.num_failed_polls += 1
+        return self.num_failed_polls >= 3 and now - self.failing_since >= UNHEALTHY_AFTER_S
+
+    def kill(self) -> None:
+        """SIGKILL to its whole process group (it runs in its own session), then reaps it."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
 
 class Router:
@@ -151,7 +197,7 @@ class Router:
 
     def __init__(self, args: argparse.Namespace, worker_urls: list[str]):
         self.url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
-        self.cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", args.host, "--port", str(args.port),
+        self.cmd = [sys.executable, "-c", ROUTER_MAIN, "--host", args.host, "--port", str(args.port),
                     "--worker-urls", *worker_urls, "--policy", args.router_policy,
                     # The router balances by in-flight requests only past this gap (64 by default): more
                     # than a replica's batch here, so one replica could queue while the other idles.
@@ -165,13 +211,16 @@ class Router:
                     "--shutdown-grace-period-secs", str(int(args.shutdown_timeout) + 5),
                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn"]
         api_key = args.api_key or os.environ.get("JAXSERVE_API_KEY")
-        # With a key the router asks clients for it (its own /workers too) and sends it to the replicas.
-        self.cmd += ["--api-key", api_key] if api_key else []
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # With a key the router asks clients for it and sends it to the replicas; without one, /v1 is open
+        # as a single server's is, but /workers still needs the launcher's random key.
+        admin_key = api_key or secrets.token_urlsafe(32)
+        self.env = {"JAXSERVE_ROUTER_ADMIN_KEY": admin_key, **({"JAXSERVE_ROUTER_API_KEY": api_key} if api_key else {})}
+        self.headers = {"Authorization": f"Bearer {admin_key}"}
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.cmd, start_new_session=True, preexec_fn=_child_setup(None))
+        self.proc = subprocess.Popen(self.cmd, env={**os.environ, **self.env}, start_new_session=True,
+                                     preexec_fn=_child_setup(None))
 
     def workers(self) -> list[dict]:
         return httpx.get(self.url + "/workers", headers=self.headers, timeout=5.0).json()["workers"]
@@ -200,7 +249,8 @@ def serve_data_parallel(args: argparse.Namespace, add_serve_flags) -> None:
         raise ValueError("--data-parallel-size runs replicas on this host; for multi-host groups start each "
                          "group's leader yourself and point a router at them (docs/deploy.md)")
     flags = replica_flags(args, add_serve_flags)
-    replicas = [Replica(rank, flags, env, cpus) for rank, (env, cpus) in
+    api_key = args.api_key or os.environ.get("JAXSERVE_API_KEY")
+    replicas = [Replica(rank, flags, env, cpus, api_key) for rank, (env, cpus) in
                 enumerate(replica_placements(args.data_parallel_size, args.tensor_parallel_size))]
     router = Router(args, [r.url for r in replicas])
     signals_seen = []
@@ -223,7 +273,8 @@ def serve_data_parallel(args: argparse.Namespace, add_serve_flags) -> None:
 
 
 def _start(replicas: list[Replica], router: Router, signals_seen: list, args) -> int:
-    """Waits for every replica's /health, then starts the router and waits until it lists them all."""
+    """Waits for every replica's /health, then starts the router and waits until it lists them all, or
+    until a replica exits or turns unhealthy meanwhile (then `_watch` restarts it)."""
     pending = list(replicas)
     while pending and not signals_seen:
         for replica in list(pending):
@@ -242,6 +293,9 @@ def _start(replicas: list[Replica], router: Router, signals_seen: list, args) ->
         if router.proc.poll() is not None:
             log(f"error: sglang-router exited with code {router.proc.returncode} at start; stopping")
             return 1
+        if any(_lost(replica, time.monotonic()) for replica in replicas):
+            log(f"sglang-router started at {router.url}/v1 before every replica was in it")
+            break
         with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
             if sum(w["is_healthy"] for w in router.workers()) == len(replicas):
                 log(f"{len(replicas)} replicas behind sglang-router ({args.router_policy}) at {router.url}/v1")
@@ -258,6 +312,7 @@ def _watch(replicas: list[Replica], router: Router, signals_seen: list) -> int:
             return 1
         now = time.monotonic()
         for replica in replicas:
+            _lost(replica, now)
             if replica.restart_at is None and replica.proc.poll() is not None:
                 log(f"replica {replica.rank} (pid {replica.proc.pid}) exited with code {replica.proc.returncode}; "
                     f"taking it out of the router and restarting it in {replica.backoff_s:.0f} s")
@@ -277,6 +332,18 @@ def _watch(replicas: list[Replica], router: Router, signals_seen: list) -> int:
                     log(f"replica {replica.rank} is healthy again; back in the router")
         time.sleep(POLL_S)
     return 0
+
+
+def _lost(replica: Replica, now: float) -> bool:
+    """Whether a replica that was serving has exited, or is stuck (then killed here, so it has exited)."""
+    if replica.restart_at is not None or replica.proc.poll() is not None:
+        return replica.restart_at is None
+    if replica.in_router and replica.stuck(now):
+        log(f"replica {replica.rank} (pid {replica.proc.pid}) has not answered /health with 200 for "
+            f"{now - replica.failing_since:.0f} s; killing it")
+        replica.kill()
+        return True
+    return False
 
 
 def _stop(procs: list[subprocess.Popen], signals_seen: list, timeout_s: float) -> None:

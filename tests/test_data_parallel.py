@@ -3,12 +3,17 @@
 Guards: the OpenAI client (streaming too) gets the same greedy text through the router as from a
 replica; both replicas take requests, each pinned to its own cores; a replica killed mid-run fails
 only its own in-flight streams, every request after the router has dropped it succeeds, and the
-restarted replica serves again; SIGTERM and SIGINT (during start-up too) leave no process behind. Also
-the launcher's pure parts, and the Kubernetes manifests in deploy/ against the API's schemas.
+restarted replica serves again; a replica whose engine is stuck (a step blocked by the fault-injection
+hook) turns /health 503, is killed and restarted while the router serves on; the API key is on no
+child's command line, and the router's worker management needs a key even when the user gave none;
+the start-up wait ends when a replica is lost meanwhile; SIGTERM and SIGINT (during start-up too)
+leave no process behind. Also the launcher's pure parts, and the Kubernetes manifests in deploy/
+against the API's schemas.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,13 +25,16 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 import yaml
 from server_helpers import API_KEY, AUTH, REPO_ROOT, TINY_FLAGS, free_port, metric, metric_samples
 
-from jaxserve.data_parallel import replica_flags, split_cpus
+from jaxserve import data_parallel
+from jaxserve.data_parallel import Replica, Router, replica_flags, split_cpus
+from jaxserve.engine_loop import FAULT_HANG_DIR_ENV
 
 pytest.importorskip("sglang_router")
 
@@ -36,13 +44,13 @@ REPLICA_LINE = re.compile(r"replica (\d+): pid (\d+) at (http://\S+)")
 class Launcher:
     """`jaxserve serve --data-parallel-size 2` as a user starts it; its stderr is read for the replicas."""
 
-    def __init__(self, extra: list[str]):
+    def __init__(self, extra: list[str], env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+b", prefix="jaxserve-dp-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "jaxserve.cli", "serve", *extra, "--data-parallel-size", "2",
                "--host", "127.0.0.1", "--port", str(self.port)]
-        env = {k: v for k, v in os.environ.items() if k != "JAXSERVE_API_KEY"}
+        env = {**{k: v for k, v in os.environ.items() if k != "JAXSERVE_API_KEY"}, **(env or {})}
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
 
     def text(self) -> str:
@@ -86,8 +94,13 @@ def alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def launcher(tiny_model_dir):
-    group = Launcher([str(tiny_model_dir("llama")), *TINY_FLAGS])
+def launcher(tiny_model_dir, tmp_path_factory):
+    """The group every test below shares. Its replicas' engines can be made to hang (a file
+    hang-<pid> in `launcher.hang_dir`), and their watchdog declares a step stuck after 10 s."""
+    hang_dir = tmp_path_factory.mktemp("hang")
+    group = Launcher([str(tiny_model_dir("llama")), *TINY_FLAGS, "--engine-iteration-timeout-s", "10"],
+                     env={FAULT_HANG_DIR_ENV: str(hang_dir)})
+    group.hang_dir = hang_dir
     try:
         group.wait_for(r"2 replicas behind sglang-router", timeout_s=300)
         yield group
@@ -229,6 +242,55 @@ def test_killed_replica_fails_its_streams_only_and_rejoins(launcher):
         f"the restarted replica gets no requests:\n{launcher.text()[-3000:]}"
 
 
+def test_a_stuck_replica_turns_unhealthy_is_restarted_and_the_router_serves_on(launcher):
+    """A replica's step blocks for good (the fault-injection hook): its watchdog fails the request on it
+    and turns its /health 503; the launcher kills and restarts it; the router serves throughout."""
+    victim = 1
+    victim_pid, victim_url = launcher.replicas()[victim]
+    num_rejoined = len(re.findall(rf"replica {victim} is healthy again", launcher.text()))
+    hang_file = launcher.hang_dir / f"hang-{victim_pid}"
+    hang_file.touch()
+    try:
+        stuck = httpx.post(victim_url + "/v1/completions", headers=AUTH, timeout=120,
+                           json={"model": "tiny", "prompt": "hang here", "max_tokens": 4})
+        assert stuck.status_code == 503 and "stuck" in stuck.json()["error"]["message"], stuck.text
+        health = httpx.get(victim_url + "/health", timeout=30)
+        assert health.status_code == 503 and "stuck" in health.json()["error"]["message"]
+        launcher.wait_for(rf"replica {victim} \(pid {victim_pid}\) has not answered /health", timeout_s=120)
+        launcher.wait_for(rf"replica {victim} \(pid {victim_pid}\) exited", timeout_s=30)
+        deadline = time.monotonic() + 10
+        while any(w["url"] == victim_url for w in
+                  httpx.get(launcher.url + "/workers", headers=AUTH, timeout=10).json()["workers"]):
+            assert time.monotonic() < deadline, "the router still lists the stuck replica"
+            time.sleep(0.1)
+        for i in range(6):
+            response = httpx.post(launcher.url + "/v1/completions", headers=AUTH, timeout=60,
+                                  json={"model": "tiny", "prompt": f"meanwhile {i}", "max_tokens": 4})
+            assert response.status_code == 200, response.text
+        launcher.wait_for(rf"replica {victim} is healthy again", timeout_s=180, count=num_rejoined + 1)
+    finally:
+        hang_file.unlink()
+    new_pid, url = launcher.replicas()[victim]
+    assert new_pid != victim_pid and url == victim_url and not alive(victim_pid)
+    assert _served_by_all(launcher.url, [url], "after the hang"), \
+        f"the restarted replica gets no requests:\n{launcher.text()[-3000:]}"
+
+
+def test_the_api_key_is_on_no_child_command_line(launcher):
+    """`ps` shows every command line: the replicas get the key in their environment, the router through
+    its entry point's environment; a replica still refuses a request without it."""
+    children = launcher.descendants()
+    assert len(children) >= 3, children
+    for pid in children:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            assert API_KEY.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes(), pid
+    replica_pid, replica_url = launcher.replicas()[0]
+    assert f"JAXSERVE_API_KEY={API_KEY}".encode() in Path(f"/proc/{replica_pid}/environ").read_bytes().split(b"\0")
+    refused = httpx.post(replica_url + "/v1/completions", timeout=30,
+                         json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+    assert refused.status_code == 401
+
+
 def test_sigterm_stops_router_and_replicas(launcher):
     children = launcher.descendants()
     assert len(children) >= 3, children  # the router and two replicas
@@ -269,9 +331,97 @@ def test_replica_flags_round_trip_without_the_launcher_flags():
     flags = replica_flags(args, add_serve_flags)
     assert not {"--port", "--host", "-dp", "--data-parallel-size", "--router-policy"} & set(flags), flags
     again = build_parser().parse_args(["serve", *flags])
-    for name in ("model", "max_num_seqs", "enable_prefix_caching", "api_key", "chat_page", "tensor_parallel_size"):
+    for name in ("model", "max_num_seqs", "enable_prefix_caching", "chat_page", "tensor_parallel_size"):
         assert getattr(again, name) == getattr(args, name), name
     assert again.data_parallel_size == 1 and again.port != args.port
+    assert "k" not in flags and again.api_key is None  # the key goes through the environment
+
+
+def _router_args(**overrides) -> SimpleNamespace:
+    return SimpleNamespace(**{"host": "127.0.0.1", "port": free_port(), "router_policy": "round_robin",
+                              "shutdown_timeout": 1.0, "api_key": None, **overrides})
+
+
+def test_the_routers_command_line_holds_no_key(monkeypatch):
+    monkeypatch.delenv("JAXSERVE_API_KEY", raising=False)
+    router = Router(_router_args(api_key="s3cret-key"), ["http://127.0.0.1:1"])
+    assert not [arg for arg in router.cmd if "s3cret-key" in arg], router.cmd
+    assert router.env["JAXSERVE_ROUTER_API_KEY"] == "s3cret-key"
+    assert router.headers == {"Authorization": "Bearer s3cret-key"}
+
+
+def test_the_routers_worker_management_needs_a_key_when_the_user_gave_none(monkeypatch):
+    """Without --api-key the router's /v1 is open (as one server's is), but listing, adding or removing
+    workers needs the launcher's random key: nobody else can point the router at a server of theirs."""
+    monkeypatch.delenv("JAXSERVE_API_KEY", raising=False)
+    router = Router(_router_args(), [f"http://127.0.0.1:{free_port()}"])
+    assert router.headers and not [arg for arg in router.cmd if router.env["JAXSERVE_ROUTER_ADMIN_KEY"] in arg]
+    router.start()
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert router.proc.poll() is None, f"the router exited with {router.proc.returncode}"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(router.url + "/workers", headers=router.headers, timeout=5).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "the router never answered"
+            time.sleep(0.2)
+        assert httpx.get(router.url + "/workers", timeout=5).status_code == 401
+        added = httpx.post(router.url + "/workers", json={"url": f"http://127.0.0.1:{free_port()}"}, timeout=5)
+        assert added.status_code == 401
+        guessed = httpx.get(router.url + "/workers", headers={"Authorization": "Bearer guess"}, timeout=5)
+        assert guessed.status_code == 401
+    finally:
+        router.proc.send_signal(signal.SIGTERM)
+        try:
+            router.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            router.proc.kill()
+            router.proc.wait()
+
+
+class _RouterListingOne:
+    """A started router that only ever lists one healthy worker (the other replica is gone)."""
+
+    url = "http://127.0.0.1:1"
+
+    def __init__(self):
+        self.proc = SimpleNamespace(poll=lambda: None)
+
+    def start(self):
+        pass
+
+    def workers(self):
+        return [{"is_healthy": True}]
+
+
+def test_the_start_up_wait_ends_when_a_replica_goes_unhealthy_meanwhile(monkeypatch):
+    """Both replicas were healthy; then, while the router starts, one stops answering /health with 200:
+    the wait ends once it is declared stuck and killed, rather than waiting forever for the router to
+    list it."""
+    monkeypatch.setattr(data_parallel, "UNHEALTHY_AFTER_S", 1.0)
+    replicas = [Replica(rank, [], {}, None) for rank in range(2)]
+    for replica in replicas:
+        replica.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                        start_new_session=True)
+        replica.in_router = True
+    answers = {0: iter(lambda: True, None), 1: iter([True])}  # replica 1 answers start-up's check only
+    for rank, replica in enumerate(replicas):
+        replica.healthy = lambda timeout_s=1.0, rank=rank: next(answers[rank], False)
+    signals_seen, returned = [], []
+    waiting = threading.Thread(target=lambda: returned.append(data_parallel._start(
+        replicas, _RouterListingOne(), signals_seen, SimpleNamespace(router_policy="round_robin"))), daemon=True)
+    try:
+        waiting.start()
+        waiting.join(60)
+        assert returned == [0], "the start-up wait still waits for a replica that is gone"
+        assert replicas[1].proc.poll() is not None and replicas[0].proc.poll() is None
+    finally:
+        signals_seen.append("stop")  # ends a wait that did not end by itself
+        for replica in replicas:
+            if replica.proc.poll() is None:
+                replica.proc.kill()
+            replica.proc.wait()
 
 
 # ---- deploy/: every Kubernetes object validates against the API's schema (shipped by kubernetes-validate)

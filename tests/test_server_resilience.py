@@ -2,6 +2,8 @@
 
 Shutdown (tiny random llama): SIGTERM stops admission at once (503, /health too), lets in-flight
 streams finish within `--shutdown-timeout`, ends the rest with an error event, and exits 0.
+A stuck engine (a step blocked for good by the fault-injection hook): past --engine-iteration-timeout-s
+/health turns 503, the requests on it end with a 503 error, and the server still stops on SIGINT.
 The storm (the default model, whose real byte-level tokenizer meets random tokens at temperature 2):
 sampling, dropped streams, huge stop lists, prompts and logit_bias maps, malformed bodies, all at
 once; no 5xx, /health 200 throughout, and afterwards a normal request is served and KV usage is 0.
@@ -20,6 +22,8 @@ import httpx
 import pytest
 
 from server_helpers import AUTH, SMALL_FLAGS, metric, metric_samples, parse_sse, run_server
+
+from jaxserve.engine_loop import FAULT_HANG_DIR_ENV
 
 
 @contextlib.contextmanager
@@ -58,6 +62,35 @@ def test_requests_still_running_at_the_shutdown_timeout_end_with_an_error_event(
     error = events[-1]["error"]
     assert error["code"] == 503 and "shutting down" in error["message"]
     assert srv.proc.wait(timeout=60) == 0
+
+
+def test_a_stuck_engine_turns_health_503_and_ends_its_requests(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv(FAULT_HANG_DIR_ENV, str(tmp_path))
+    results = {}
+
+    def plain():
+        results["plain"] = httpx.post(srv.url + "/v1/completions", headers=AUTH, timeout=120,
+                                      json={"prompt": "hi", "max_tokens": 4})
+
+    def streamed():
+        with httpx.stream("POST", srv.url + "/v1/completions", headers=AUTH, timeout=120,
+                          json={"prompt": "hi", "max_tokens": 4, "stream": True}) as response:
+            results["streamed"] = parse_sse(response.iter_lines())
+
+    with run_server([str(tiny_model_dir("llama")), *SMALL_FLAGS, "--engine-iteration-timeout-s", "2"]) as srv:
+        (tmp_path / f"hang-{srv.proc.pid}").touch()
+        threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        health = httpx.get(srv.url + "/health", timeout=30)
+        srv.proc.send_signal(signal.SIGINT)
+        assert srv.proc.wait(timeout=60) == 0, srv.stderr_tail()
+    assert health.status_code == 503 and "stuck" in health.json()["error"]["message"]
+    assert results["plain"].status_code == 503 and "stuck" in results["plain"].json()["error"]["message"]
+    events, done = results["streamed"]
+    assert done and events[-1]["error"]["code"] == 503 and "stuck" in events[-1]["error"]["message"]
 
 
 # -------------------------------------------------------------------------------------------------
