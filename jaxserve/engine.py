@@ -143,7 +143,7 @@ class LLMEngine:
               f"{summary['prefill_buckets']}, decode batch buckets {summary['decode_buckets']})", file=sys.stderr)
         if cfg.nnodes > 1:
             print(f"jaxserve: waiting for {cfg.nnodes - 1} follower(s)", file=sys.stderr, flush=True)
-            engine.leader = multihost.Leader(cfg)
+            engine.leader = multihost.Leader(cfg, multihost.fingerprint(runner))  # checked against each follower's
             engine.runner.on_launch = engine.leader.send_step
         return engine, summary
 

@@ -140,6 +140,10 @@ class EngineConfig:
                                 "follow its steps")
     dist_init_addr: str | None = setting(None, "HOST:PORT of rank 0's JAX coordinator (the step inputs go to "
                                                "PORT + 1); needed with --nnodes > 1")
+    insecure_multihost: bool = setting(
+        False, "let a multi-host group start without a shared secret (JAXSERVE_MULTIHOST_SECRET or "
+               "JAXSERVE_MULTIHOST_SECRET_FILE, the same on every rank): then anyone who reaches the leader's "
+               "PORT + 1 during start-up can join as a follower; only on a network nobody else reaches")
     async_scheduling: bool | None = setting(
         None, "schedule step N+1 and build its inputs while step N runs, feeding N's sampled tokens to N+1 on "
               "the device; the host reads each step's tokens one step late (default: on a GPU, off on a CPU)")

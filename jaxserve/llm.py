@@ -52,14 +52,19 @@ class LLM:
                                                                  warmup=warmup)
         self.config = self.engine.cfg
         self.tokenizer = self.engine.tokenizer
+        self._group_error: str | None = None  # a multi-host group's follower gone: every later generate raises
+        if self.engine.leader is not None:  # a loss before this line is handed over at once
+            self.engine.leader.on_follower_lost = self._follower_lost
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generates for every prompt (str or {"prompt_token_ids": [...]}); outputs in input order.
 
-        `priority` (one int per prompt, lower first) only matters when requests compete for slots.
+        `priority` (one int per prompt, lower first) only matters when requests compete for slots, and
+        only under scheduling_policy="priority": otherwise a non-zero one is a ValueError (vLLM's rule).
         """
+        self._check_group()
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -127,10 +132,19 @@ class LLM:
             return text, self.tokenizer.encode(text, add_special_tokens=prompt.get("add_special_tokens", True))
         raise ValueError(f"a prompt must be a str or a dict with 'prompt' or 'prompt_token_ids', got {prompt!r:.80}")
 
+    def _follower_lost(self, message: str) -> None:
+        """A multi-host follower has gone (from the leader's watcher thread): the group cannot step again."""
+        self._group_error = message
+
+    def _check_group(self) -> None:
+        if self._group_error is not None:
+            raise RuntimeError(self._group_error)
+
     def _run(self, requests: list[Request], use_tqdm: bool) -> None:
         pending = {r.request_id for r in requests if not r.status.is_finished}
         with tqdm(total=len(requests), desc="generating", unit="req", disable=not use_tqdm) as bar:
             while pending:
+                self._check_group()
                 for request in self.engine.step():
                     if request.status.is_finished and request.request_id in pending:
                         pending.discard(request.request_id)

@@ -1,10 +1,11 @@
 """Serving across processes: two `jaxserve serve` processes, one CPU device each, joined by
 `jax.distributed` (gloo collectives) into one tensor-parallel group of two, as two hosts would be.
 
-The leader (rank 0) serves HTTP and sends each step to the follower (rank 1); what must hold: the
-group answers with one process's greedy tokens, a follower that dies turns the leader's /health to 503
-within seconds and ends in-flight streams with an error instead of leaving them hanging, and a leader
-that stops takes its follower with it.
+The leader (rank 0) serves HTTP and sends each step to the follower (rank 1) over the authenticated step
+channel (both are given the group's secret; tests/test_multihost_channel.py tests the channel itself).
+What must hold: the group answers with one process's greedy tokens, a follower that dies turns the
+leader's /health to 503 within seconds and ends in-flight streams with an error instead of leaving them
+hanging, and a leader that stops takes its follower with it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -23,6 +25,7 @@ import httpx
 import pytest
 
 from jaxserve import SamplingParams
+from jaxserve.multihost import SECRET_ENV, SECRET_FILE_ENV
 from server_helpers import REPO_ROOT, free_port, run_server
 
 DEFAULT_FLAGS = ["--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "128"]
@@ -31,15 +34,26 @@ PROMPTS = ["The capital of Germany is", "def fibonacci(n):", "Once upon a time, 
 
 @contextlib.contextmanager
 def _group(flags: list[str]):
-    """A leader (yielded, healthy) and its follower (yielded Popen), rank 1 started first."""
+    """A leader (yielded, healthy) and its follower (yielded Popen), rank 1 started first, both given the
+    group's shared secret in the environment."""
     group = ["-tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}"]
     log = tempfile.NamedTemporaryFile("w+b", prefix="jaxserve-follower-", suffix=".log", delete=False)
+    env = {**os.environ, SECRET_ENV: secrets.token_hex(32)}
+    env.pop(SECRET_FILE_ENV, None)
     follower = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", *flags, *group, "--node-rank", "1"],
-                                cwd=REPO_ROOT, env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=log)
+                                cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log)
+    saved = {name: os.environ.get(name) for name in (SECRET_ENV, SECRET_FILE_ENV)}
+    os.environ.update({SECRET_ENV: env[SECRET_ENV]})  # run_server passes its own os.environ on
+    os.environ.pop(SECRET_FILE_ENV, None)
     try:
         with run_server([*flags, *group, "--node-rank", "0"], startup_timeout_s=600) as leader:
             yield leader, follower
     finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         if follower.poll() is None:
             follower.kill()
         follower.wait(timeout=60)
@@ -61,6 +75,7 @@ def test_two_processes_serve_the_default_model_and_a_dead_follower_fails_fast(de
             assert reply.json()["choices"][0]["text"] == want, prompt
         log = leader.stderr_tail(20_000)
         assert "tensor parallel over 2 cpu devices" in log
+        assert "refused" not in log, "the follower with the group's secret and settings must join at once"
         read, total = map(float, re.search(r"this process read ([\d.]+) of the model's ([\d.]+) MiB", log).groups())
         assert 0.4 * total < read < 0.6 * total, "a process must read only its own device's half of the weights"
 
