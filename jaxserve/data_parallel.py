@@ -261,7 +261,7 @@ def serve_data_parallel(args: argparse.Namespace, add_serve_flags) -> None:
     try:
         for replica in replicas:
             replica.start()
-        code = _start(replicas, router, signals_seen, args)
+        code = start_group(replicas, router, signals_seen, args)
         if code == 0:
             code = _watch(replicas, router, signals_seen)
     finally:
@@ -272,7 +272,7 @@ def serve_data_parallel(args: argparse.Namespace, add_serve_flags) -> None:
         sys.exit(code)
 
 
-def _start(replicas: list[Replica], router: Router, signals_seen: list, args) -> int:
+def start_group(replicas: list[Replica], router: Router, signals_seen: list, args) -> int:
     """Waits for every replica's /health, then starts the router and waits until it lists them all, or
     until a replica exits or turns unhealthy meanwhile (then `_watch` restarts it)."""
     pending = list(replicas)
