@@ -163,6 +163,9 @@ class LLMEngine:
     def make_request(self, prompt_token_ids: list[int], params: SamplingParams,
                      request_id: str | None = None, priority: int = 0, sample_index: int = 0) -> Request:
         """Validates a request without queueing it (safe from any thread); raises ValueError naming the problem."""
+        if priority != 0 and self.cfg.scheduling_policy != "priority":  # else any client could jump the queue
+            raise InvalidParameter("priority", f"got priority {priority} but priority scheduling is not enabled "
+                                               "(--scheduling-policy priority; offline, scheduling_policy='priority')")
         prompt = list(prompt_token_ids)
         if not prompt:
             raise InvalidParameter("prompt", "the prompt is empty")

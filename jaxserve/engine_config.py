@@ -57,6 +57,9 @@ DTYPES = ("auto", "float32", "bfloat16")
 # auto: dtype's, and bfloat16 under matmul_backend cpu-bf16 (device_defaults.py). bfloat16 pages under
 # float32 activations are read by the C++ attention kernel (half the bytes) or XLA's.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+# vLLM's: fcfs orders by arrival alone; priority lets a request's `priority` (lower first) order admission and
+# choose preemption victims, so off by default: any client could otherwise jump the queue.
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def _per_device(setting: str) -> str:
@@ -131,6 +134,10 @@ class EngineConfig:
         1, "most long prompts (see long_prefill_token_threshold) prefilling in one step")
     mixed_batches: bool = setting(True, "let prompt chunks and decode rows share a step (off: prompts and "
                                         "decodes in separate steps, vLLM V0's policy, to measure what mixing buys)")
+    scheduling_policy: str = setting(
+        "fcfs", "fcfs: requests run in arrival order; priority: a request's priority (lower first, then arrival) "
+                "orders admission and preemption, and without it a non-zero priority is refused",
+        choices=SCHEDULING_POLICIES)
     attention_backend: str = setting("auto", "auto: the Pallas kernels on a Hopper GPU when the model fits them, "
                                              "the C++ kernel on a CPU (float32), else XLA", choices=ATTENTION_BACKENDS)
     tensor_parallel_size: int = setting(1, "devices the model is split over, by heads, MLP columns and "

@@ -2,11 +2,12 @@
 
 vLLM V1's policy: no prefill/decode phases; every request moves `num_computed_tokens` toward
 `num_tokens`. Running requests go first (decodes and unfinished prompt chunks), then waiting ones in
-(priority, arrival) order, under the token budget `max_num_batched_tokens` and `max_num_seqs`; a
-prompt longer than the budget left is chunked, so a long prompt never stalls running decodes.
-At admission the prefix cache supplies the longest cached run of full pages. When pages run out,
-the running request with the lowest priority, most recently admitted, is preempted: its pages are
-freed (they stay cached) and it is recomputed later.
+arrival order (under scheduling_policy "priority": (priority, arrival) order), under the token budget
+`max_num_batched_tokens` and `max_num_seqs`; a prompt longer than the budget left is chunked, so a long
+prompt never stalls running decodes. At admission the prefix cache supplies the longest cached run of
+full pages. When pages run out, the running request admitted most recently (under "priority": with the
+lowest priority, then most recently admitted) is preempted: its pages are freed (they stay cached) and
+it is recomputed later.
 
 Host ints and lists only; the model runner turns the output into device arrays.
 """
@@ -85,10 +86,6 @@ class _PartialPrefills:
             self.num_long += self._is_long(request)
 
 
-def _waiting_key(request: Request) -> tuple[int, int]:
-    return request.priority, request.arrival_index
-
-
 class Scheduler:
     def __init__(self, cfg: EngineConfig, pool: PagePool, prefill_buckets: list[int] | None = None):
         """prefill_buckets: the token counts prompt steps are padded to (the model runner's); with them,
@@ -98,7 +95,10 @@ class Scheduler:
         # vLLM's partial-prefill limits: a prompt with more than `long_threshold` tokens left is long (0: none is)
         self.long_threshold = cfg.long_prefill_token_threshold or (
             cfg.max_model_len * 4 // 100 if (cfg.max_num_partial_prefills or 1) > 1 and cfg.max_model_len else 0)
-        self.waiting: list[Request] = []  # sorted by (priority, arrival_index)
+        # fcfs: every request ranks the same, so arrival alone orders them (a Request made without the
+        # engine's check may still carry a priority)
+        self._uses_priority = cfg.scheduling_policy == "priority"
+        self.waiting: list[Request] = []  # sorted by `_waiting_key`
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
         self.num_computed_prompt_tokens = 0
@@ -109,8 +109,14 @@ class Scheduler:
         request.arrival_index = next(self._arrivals)
         self._enqueue(request)
 
+    def _rank(self, request: Request) -> int:
+        return request.priority if self._uses_priority else 0
+
+    def _waiting_key(self, request: Request) -> tuple[int, int]:
+        return self._rank(request), request.arrival_index
+
     def _enqueue(self, request: Request) -> None:
-        bisect.insort(self.waiting, request, key=_waiting_key)
+        bisect.insort(self.waiting, request, key=self._waiting_key)
 
     @property
     def has_unfinished(self) -> bool:
@@ -119,7 +125,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         # Higher priority first (stable, so equal priorities keep admission order): the victims
         # taken from the tail are then the lowest-priority, most recently admitted requests.
-        self.running.sort(key=lambda r: r.priority)
+        self.running.sort(key=self._rank)
         if self.cfg.mixed_batches:
             return self._schedule(None)
         # Unmixed steps: a prompt step whenever a prompt is pending, else (or if none fits) decodes.
@@ -148,7 +154,7 @@ class Scheduler:
             while not self.pool.grow(request.block_table, request.num_computed_tokens + num_new):
                 # Victims come from this request and those not yet scheduled this step: pages of a
                 # scheduled request may already be registered in the prefix cache before computing.
-                victim = max(self.running[i:], key=lambda r: (r.priority, self.running.index(r)))
+                victim = max(self.running[i:], key=lambda r: (self._rank(r), self.running.index(r)))
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:

@@ -3,10 +3,12 @@
 `StructuredOutputsParams` is what a request asks for (vLLM's names). `Grammars` compiles it with
 llguidance against the model's tokenizer, once per distinct source (a cache; compiling can take tens of
 milliseconds, so the server does it on a worker thread before it submits), and gives each request its
-own `GrammarMatcher`. Per step the engine fills, for each constrained row that samples, a packed bitmask
-of the tokens the grammar allows (`fill_bitmasks`, over a thread pool when several rows need one); the
-sampler bans the rest on the device (`sampling.apply_token_bitmask`). Each sampled token then advances
-the matcher; a grammar that can take nothing more ends the request with finish reason "stop".
+own `GrammarMatcher`. The params a grammar was compiled for hold it from then on, so admission (on the
+server's event loop) never compiles again, however many other grammars the cache took in between.
+Per step the engine fills, for each constrained row that samples, a packed bitmask of the tokens the
+grammar allows (`fill_bitmasks`, over a thread pool when several rows need one); the sampler bans the
+rest on the device (`sampling.apply_token_bitmask`). Each sampled token then advances the matcher; a
+grammar that can take nothing more ends the request with finish reason "stop".
 
 What this module does not own: which requests run (scheduler.py), the device arrays (step_inputs.py).
 """
@@ -45,6 +47,9 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     whitespace_pattern: str | None = None
+    # (the Grammars, its compiled LLMatcher), set by `Grammars.compile`. Not a field (no annotation), so not
+    # part of the value: never compared, hashed, shown, copied or pickled.
+    _compiled = None
 
     def __post_init__(self):
         given = [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]
@@ -62,6 +67,9 @@ class StructuredOutputsParams:
                 raise InvalidParameter(PARAM, f"{kind} must be a non-empty string")
         if isinstance(self.json, dict):  # hashable, and one cache entry whatever the key order
             object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+
+    def __getstate__(self) -> dict:
+        return {name: value for name, value in self.__dict__.items() if name != "_compiled"}
 
     @property
     def kind(self) -> str:
@@ -148,12 +156,16 @@ class Grammars:
         return self._tokenizer
 
     def compile(self, params: StructuredOutputsParams):
-        """The compiled matcher of `params`, from the cache or built now; InvalidParameter names what
-        is wrong with a schema, regex or grammar."""
+        """The compiled matcher of `params`: the one it holds, from the cache or built now (and then held
+        by `params`); InvalidParameter names what is wrong with a schema, regex or grammar."""
+        if params._compiled is not None and params._compiled[0] is self:
+            return params._compiled[1]
         with self._lock:
             if params in self._cache:
                 self._cache.move_to_end(params)
-                return self._cache[params]
+                matcher = self._cache[params]
+                object.__setattr__(params, "_compiled", (self, matcher))
+                return matcher
             tokenizer = self._llg_tokenizer()
         from llguidance import LLMatcher
 
@@ -173,6 +185,7 @@ class Grammars:
             self._cache[params] = matcher
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
+        object.__setattr__(params, "_compiled", (self, matcher))
         return matcher
 
     def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:

@@ -6,6 +6,11 @@ A generation request goes: parse (`protocol.py`) -> validate and tokenize off th
 take one shape (`errors.py`). The engine runs in its own thread (`jaxserve.engine_loop`); routes
 only submit, read per-request streams and abort. `GET /` serves the chat page (`static/`), a client of
 these routes that runs in the browser.
+
+In front of the routes, outermost first: the Host header's check (`--allowed-hosts`, against DNS
+rebinding of a keyless local server), the body's size, the API key (`errors.py`). A JSON body must say
+so in its Content-Type (FastAPI's `strict_content_type`): a page on another site can send text/plain or
+no Content-Type without a CORS preflight, and such a body is never parsed.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 import jaxserve
 from jaxserve.engine_loop import EngineLoop
@@ -35,23 +41,49 @@ CHAT_PAGE_HEADERS = {
                                "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
     "Cache-Control": "no-cache",
 }
+
+
+class ChatPageFiles(StaticFiles):
+    """The page's files, each with the page's headers: index.html is a page at /static/index.html too."""
+
+    def file_response(self, *args, **kwargs) -> Response:
+        response = super().file_response(*args, **kwargs)
+        response.headers.update(CHAT_PAGE_HEADERS)
+        return response
+
+
+def check_allowed_hosts(allowed_hosts: list[str]) -> None:
+    """Names or addresses as the Host header gives them, without the port; `*.example.com` for subdomains."""
+    for host in allowed_hosts:
+        if not host or (":" in host and not (host.startswith("[") and host.endswith("]"))):
+            raise ValueError(f"allowed host {host!r} must be a name or address without a port "
+                             "(an IPv6 address in brackets, as [::1])")
+        if "*" in host[1:] or (host.startswith("*") and host != "*" and not host.startswith("*.")):
+            raise ValueError(f"allowed host {host!r}: a wildcard is '*' alone or a leading '*.' (*.example.com)")
+
+
 def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_body_bytes: int,
                api_key: str | None = None, max_queued_requests: int = 256, chat_page: bool = True,
-               tool_call_parser: str | None = None) -> FastAPI:
-    """`tool_call_parser`: the parser of tool_choice="auto" (`tool_parsers.PARSERS`); None refuses "auto"."""
+               tool_call_parser: str | None = None, allowed_hosts: list[str] | None = None) -> FastAPI:
+    """`tool_call_parser`: the parser of tool_choice="auto" (`tool_parsers.PARSERS`); None refuses "auto".
+    `allowed_hosts`: the Host header must name one of them (None: any host)."""
     app = FastAPI(title="jaxserve", version=jaxserve.__version__,
-                  description="OpenAI-compatible API of the jaxserve inference engine")
+                  description="OpenAI-compatible API of the jaxserve inference engine", strict_content_type=True)
     state = ServerState(engine_loop, served_model_name, max_queued_requests)
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
         raise ValueError(f"unknown tool_call_parser {tool_call_parser!r}; known: {', '.join(PARSERS)}")
+    if allowed_hosts is not None:
+        check_allowed_hosts(allowed_hosts)
     app.state.jaxserve = state
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)  # outermost: before auth
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)  # before auth
+    if allowed_hosts is not None:  # outermost; its refusal is Starlette's plain-text 400 "Invalid host header"
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts, www_redirect=False)
 
     if chat_page:
-        app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+        app.mount("/static", ChatPageFiles(directory=STATIC_DIR), name="static")
 
         @app.get("/", include_in_schema=False)
         async def chat():

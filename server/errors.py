@@ -1,4 +1,5 @@
 """The error model, and the guards in front of the routes: the API key, the request body's size.
+(The Host header's check, `--allowed-hosts`, is Starlette's `TrustedHostMiddleware`, added in app.py.)
 
 Every error a client sees is `{"error": {"message", "type", "param", "code"}}` with the HTTP status,
 whatever raised it: an `APIError` from a handler, a request that does not parse, an unknown route,
@@ -89,16 +90,27 @@ def _message(error: dict) -> str:
     return f"unknown field {name!r} (jaxserve refuses fields it does not know rather than ignore them)"
 
 
+# What answers without the key: probes, the version, the chat page and its files (the page asks for the
+# key and sends it on its /v1 calls) and the API's description. Every other path, a route added later
+# included, needs it: /tokenize, /detokenize, /server_info and /metrics tell or cost as much as /v1.
+OPEN_PATHS = frozenset({"/health", "/version", "/", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+OPEN_PREFIX = "/static/"
+
+
+def needs_api_key(path: str) -> bool:
+    return path not in OPEN_PATHS and not path.startswith(OPEN_PREFIX)
+
+
 class APIKeyMiddleware:
-    """Requires `Authorization: Bearer KEY` on /v1/*, compared in constant time. Plain ASGI, not
-    BaseHTTPMiddleware, which would hide client disconnects from the handlers (and so keep abandoned
-    requests running)."""
+    """Requires `Authorization: Bearer KEY` on every path but `OPEN_PATHS`, compared in constant time.
+    Plain ASGI, not BaseHTTPMiddleware, which would hide client disconnects from the handlers (and so
+    keep abandoned requests running)."""
 
     def __init__(self, app, api_key: str):
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and needs_api_key(scope["path"]):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 response = error_response(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")

@@ -23,6 +23,9 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20  # prompts of a long context, as tex
 
 
 def serve(args: argparse.Namespace) -> None:
+    if args.data_parallel_size > 1 and args.allowed_hosts is not None:
+        raise ValueError("--allowed-hosts is not supported with --data-parallel-size: the router in front of the "
+                         "replicas does not check the Host header")
     if args.data_parallel_size > 1:  # replicas of this command behind a router (jaxserve/data_parallel.py)
         from jaxserve.data_parallel import serve_data_parallel
 
@@ -32,12 +35,13 @@ def serve(args: argparse.Namespace) -> None:
     from jaxserve.engine import LLMEngine
     from jaxserve.engine_config import engine_config_from_args
     from jaxserve.engine_loop import EngineLoop
-    from server.app import create_app
+    from server.app import check_allowed_hosts, create_app
     from server.draining import DrainingServer
 
     started = time.perf_counter() - _process_age()
     load_start = time.perf_counter()
     chat_template = _read_chat_template(args.chat_template) if args.chat_template else None  # fail before loading
+    check_allowed_hosts(args.allowed_hosts or [])
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the format the model writes calls in)")
     engine, warmup = LLMEngine.from_config(args.model, engine_config_from_args(args))
@@ -51,7 +55,8 @@ def serve(args: argparse.Namespace) -> None:
     api_key = args.api_key or os.environ.get("JAXSERVE_API_KEY")
     app = create_app(engine_loop, name, api_key=api_key, max_queued_requests=args.max_queued_requests,
                      max_request_body_bytes=args.max_request_body_bytes, chat_page=args.chat_page,
-                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                     allowed_hosts=args.allowed_hosts)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -100,8 +105,13 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None, help="the model id clients send (default: from the path)")
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
-                                                         "(or set JAXSERVE_API_KEY)")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but "
+                                                         "/health, /version and the chat page (or set "
+                                                         "JAXSERVE_API_KEY)")
+    parser.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                        help="answer only requests whose Host header names one of these (without the port; "
+                             "*.example.com for subdomains), against DNS rebinding of a server without a key "
+                             "(default: no check, any Host)")
     parser.add_argument("--max-queued-requests", type=int, default=256,
                         help="requests waiting beyond max_num_seqs before the server answers 503")
     parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,

@@ -3,9 +3,10 @@
 A client may ask with OpenAI's `response_format`, vLLM's `structured_outputs` object, or vLLM's older
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`; one request may use one of them.
 `compile_constraint` compiles the grammar on a tokenizer thread before the request is submitted (the
-engine's cache then serves `make_request`), and reports a bad schema, regex or grammar as a 400 whose
-`param` is the field the client sent. What this module does not own: tool calls' grammars (`tools.py`),
-holding the output to a grammar (the engine, `jaxserve/structured_output.py`).
+params then hold it, so `make_request`, on the event loop, never compiles), and reports a bad schema,
+regex or grammar as a 400 whose `param` is the field the client sent. What this module does not own:
+tool calls' grammars (`tools.py`), holding the output to a grammar (the engine,
+`jaxserve/structured_output.py`).
 """
 
 from __future__ import annotations
@@ -91,8 +92,9 @@ def _renamed(message: str, field: str) -> str:
 
 
 async def compile_constraint(state: ServerState, constraint: Constraint, where: str | None = None) -> None:
-    """Compiles the constraint off the event loop (cached by the engine); a bad one is a 400 whose param
-    is its field and whose message starts with `where` in the request (default: the field)."""
+    """Compiles the constraint off the event loop (its params hold the result until admission); a bad one
+    is a 400 whose param is its field and whose message starts with `where` in the request (default: the
+    field)."""
     field, where = constraint.field, where or constraint.field
     try:
         await state.run_blocking(state.engine.grammars.compile, constraint.params)

@@ -110,8 +110,10 @@ def parse_sse(lines: Iterator[str]) -> tuple[list[dict], bool]:
 
 
 def metric_samples(url: str, client: httpx.Client | None = None) -> dict[tuple[str, tuple], float]:
-    """Every sample of GET /metrics, keyed by (sample name, sorted label items)."""
-    response = client.get(url + "/metrics") if client is not None else httpx.get(url + "/metrics", timeout=30.0)
+    """Every sample of GET /metrics (with the tests' API key, which a server without one ignores), keyed by
+    (sample name, sorted label items)."""
+    response = (client.get(url + "/metrics", headers=AUTH) if client is not None
+                else httpx.get(url + "/metrics", headers=AUTH, timeout=30.0))
     assert response.status_code == 200, response.text
     text = response.text
     samples = {}

@@ -147,7 +147,7 @@ def test_router_fields_accepted_only_at_values_that_change_nothing(launcher):
     assert httpx.post(url + "/v1/completions", json=body, headers=AUTH, timeout=30).status_code == 200
     refused = httpx.post(url + "/v1/completions", json={**body, "no_stop_trim": True}, headers=AUTH, timeout=30)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "no_stop_trim"
-    info = httpx.get(url + "/server_info", timeout=30).json()
+    info = httpx.get(url + "/server_info", headers=AUTH, timeout=30).json()
     assert info["served_model_name"] == "tiny"
 
 

@@ -213,7 +213,8 @@ def _bucket(engine, schedule) -> tuple[str, int]:
 def test_random_workload_compiles_nothing_and_leaks_no_pages(model_dir):
     """Random lengths, batch mixes, max_tokens, temperatures, priorities and aborts: zero compiles after
     warm-up (any compile raises), every bucket used, budgets held, ref counts exact, no page leaked."""
-    llm = LLM(model_dir, **SMALL_POOL)  # its own engine: the compile counter is global
+    # its own engine (the compile counter is global), honouring the random priorities
+    llm = LLM(model_dir, **SMALL_POOL, scheduling_policy="priority")
     engine, cfg = llm.engine, llm.config
     rng = random.Random(9)
     shared = _random_ids(rng, 120)

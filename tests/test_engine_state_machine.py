@@ -47,7 +47,7 @@ MAX_MODEL_LEN, PAGE_SIZE = 64, 8
 # and one decode bucket keep the warm-up to two compilations.
 ENGINE = dict(max_model_len=MAX_MODEL_LEN, block_size=PAGE_SIZE, num_kv_pages=10, max_num_seqs=4,
               max_num_batched_tokens=32, min_prefill_bucket=32, min_decode_bucket=4,
-              forbid_compilation_after_warmup=True)
+              forbid_compilation_after_warmup=True, scheduling_policy="priority")
 FINISH_REASONS = {"stop", "length", "abort", "error"}
 MAX_DRAIN_STEPS = 2000
 # Derandomized and without a database, so CI runs the same cases every time; one bug reported, shrunk.

@@ -283,12 +283,23 @@ def test_admission_is_first_come_first_served():
 
 def test_admission_follows_priority_then_arrival():
     """Lower priority value is admitted first; ties keep arrival order."""
-    scheduler = _scheduler(max_num_seqs=4, max_num_batched_tokens=64)
+    scheduler = _scheduler(max_num_seqs=4, max_num_batched_tokens=64, scheduling_policy="priority")
     for rid, priority in [("a", 1), ("b", 0), ("c", 2), ("d", 0), ("e", 1)]:
         scheduler.add_request(_request(rid, 2, priority=priority))
     out, _ = _step(scheduler)
     assert [r.request_id for r, _ in out.scheduled] == ["b", "d", "a", "e"]
     assert [r.request_id for r in scheduler.waiting] == ["c"]
+
+
+def test_fcfs_admits_by_arrival_whatever_the_priority():
+    """Under the default policy (fcfs) a request's priority orders nothing: no request jumps the queue."""
+    scheduler = _scheduler(max_num_seqs=4, max_num_batched_tokens=64)
+    assert scheduler.cfg.scheduling_policy == "fcfs"
+    for rid, priority in [("a", 1), ("b", 0), ("c", 2), ("d", -5), ("e", 1)]:
+        scheduler.add_request(_request(rid, 2, priority=priority))
+    out, _ = _step(scheduler)
+    assert [r.request_id for r, _ in out.scheduled] == ["a", "b", "c", "d"]
+    assert [r.request_id for r in scheduler.waiting] == ["e"]
 
 
 def test_token_budget_is_respected_and_prompts_are_chunked():
@@ -400,7 +411,7 @@ def test_preemption_victim_is_lowest_priority_then_most_recently_admitted():
     """Out of pages, the victim is the highest priority number; among equals, the latest admitted."""
     # 10 usable pages of 4 tokens; head is admitted first and crosses page boundaries first, so each
     # preemption happens while every other running request is still a candidate.
-    scheduler = _scheduler(num_pages=11, max_num_seqs=8, max_num_batched_tokens=64)
+    scheduler = _scheduler(num_pages=11, max_num_seqs=8, max_num_batched_tokens=64, scheduling_policy="priority")
     head = _request("head", 4, max_tokens=50, priority=0)
     low = _request("low", 1, max_tokens=50, first_token=100, priority=2)  # admitted before mid1, mid2
     mid1 = _request("mid1", 1, max_tokens=50, first_token=200, priority=1)
@@ -426,7 +437,8 @@ def test_preemption_victim_is_lowest_priority_then_most_recently_admitted():
 
 def test_preemption_never_evicts_a_higher_priority_request_for_a_lower_one():
     """Priority holds under page pressure: a low-priority request is preempted before a high-priority one."""
-    scheduler = _scheduler(num_pages=4, max_num_seqs=4, max_num_batched_tokens=64)  # 3 usable pages
+    scheduler = _scheduler(num_pages=4, max_num_seqs=4, max_num_batched_tokens=64,
+                           scheduling_policy="priority")  # 3 usable pages
     low = _request("low", 3, max_tokens=20, priority=5)
     high = _request("high", 4, max_tokens=20, first_token=100, priority=0)
     _fill_to_decode(scheduler, low)  # low runs alone first: it is admitted before high
@@ -436,6 +448,20 @@ def test_preemption_never_evicts_a_higher_priority_request_for_a_lower_one():
     out, _ = _step(scheduler)  # both need a 2nd page, one is left: someone must go, and it must be low
     assert [r.request_id for r in out.preempted] == ["low"]
     assert high.status is RequestStatus.RUNNING and ("high", 1) in _ids(out)
+
+
+def test_fcfs_preempts_the_latest_admitted_whatever_the_priority():
+    """Under fcfs, priority cannot force a preemption: out of pages, the most recently admitted goes."""
+    scheduler = _scheduler(num_pages=4, max_num_seqs=4, max_num_batched_tokens=64)  # 3 usable pages
+    first = _request("first", 3, max_tokens=20, priority=5)
+    late = _request("late", 4, max_tokens=20, first_token=100, priority=-5)
+    _fill_to_decode(scheduler, first)
+    scheduler.add_request(late)
+    _step(scheduler)
+    assert [r.request_id for r in scheduler.running] == ["first", "late"] and scheduler.pool.num_free_pages == 1
+    out, _ = _step(scheduler)  # both need a 2nd page, one is left: the later admitted goes
+    assert [r.request_id for r in out.preempted] == ["late"]
+    assert first.status is RequestStatus.RUNNING and ("first", 1) in _ids(out)
 
 
 def test_preempted_request_is_readmitted_and_hits_its_own_cached_pages():

@@ -19,7 +19,7 @@ import pytest
 from server_helpers import API_KEY, AUTH, SMALL_FLAGS, TINY_FLAGS, metric, metric_samples, parse_sse, run_server
 
 MAX_MODEL_LEN = int(TINY_FLAGS[TINY_FLAGS.index("--max-model-len") + 1])
-SERVER_ARGS = [*TINY_FLAGS, "--max-queued-requests", "8"]
+SERVER_ARGS = [*TINY_FLAGS, "--max-queued-requests", "8", "--allowed-hosts", "127.0.0.1"]
 MESSAGES = [{"role": "user", "content": "Tell me a story."}]
 FULL_LENGTH = {"ignore_eos": True}
 
@@ -535,11 +535,22 @@ def test_openai_client_with_a_wrong_key_raises_authentication_error(url):
     assert e.value.status_code == 401
 
 
-def test_health_and_metrics_need_no_key(url):
-    """/health, /metrics and /version answer without the API key (probes and scrapers carry none)."""
+def test_health_and_version_need_no_key_and_the_rest_does(url):
+    """/health and /version answer without the API key (probes carry none); /metrics, /server_info,
+    /tokenize and /detokenize tell or cost as much as /v1, so they need it as /v1 does."""
     assert httpx.get(url + "/health", timeout=30).status_code == 200
-    assert httpx.get(url + "/metrics", timeout=30).status_code == 200
     assert httpx.get(url + "/version", timeout=30).status_code == 200
+    for method, path, body in [("GET", "/metrics", None), ("GET", "/server_info", None),
+                               ("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [104]})]:
+        assert httpx.request(method, url + path, json=body, timeout=30).status_code == 401, path
+        assert httpx.request(method, url + path, json=body, headers=AUTH, timeout=30).status_code == 200, path
+
+
+def test_a_host_not_in_allowed_hosts_is_refused(url):
+    """--allowed-hosts 127.0.0.1: a request naming another host (a DNS-rebound name) is a 400, /health too."""
+    assert httpx.get(url + "/health", headers={"Host": "evil.example"}, timeout=30).status_code == 400
+    assert httpx.get(url + "/v1/models", headers={**AUTH, "Host": "evil.example:8000"}, timeout=30).status_code == 400
+    assert httpx.get(url + "/v1/models", headers=AUTH, timeout=30).status_code == 200
 
 
 def test_server_still_serves_after_bad_requests(client, http):

@@ -1,25 +1,30 @@
 """The HTTP edge under bad and hostile input (issue: hardening), in-process on the tiny random llama.
 
 Each test guards one promise: errors name their field; limits on stop strings, logit_bias entries,
-prompt lists and body size; text that is not Unicode is a 400; tokenization never runs on the event
-loop; an admission slot comes back however a response ends; the API key is compared in constant
-time; anything unexpected is a 500 in the OpenAI error shape without internals.
+prompt lists and body size; text that is not Unicode is a 400; tokenization and grammar compiles never
+run on the event loop; an admission slot comes back however a response ends; the API key is compared in
+constant time and guards every route but /health, /version and the chat page; the page carries its CSP
+wherever it is served; a JSON body must say it is JSON; `allowed_hosts` checks the Host header; a
+priority without the priority policy is a 400; anything unexpected is a 500 in the OpenAI error shape
+without internals.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 
 import pytest
 from fastapi.testclient import TestClient
 
-from jaxserve import LLM
+from jaxserve import LLM, structured_output
 from jaxserve.engine_loop import EngineLoop
 from jaxserve.sampling import MAX_LOGIT_BIAS, MAX_STOP_STRING_LENGTH, MAX_STOP_STRINGS
+from jaxserve.structured_output import StructuredOutputsParams
 from server import errors as server_errors
-from server.app import create_app
+from server.app import CHAT_PAGE_HEADERS, check_allowed_hosts, create_app
 from server.errors import INTERNAL_ERROR
 
 API_KEY = "hardening-key"
@@ -207,3 +212,114 @@ def test_an_unexpected_exception_is_a_500_in_the_openai_shape_without_internals(
     response = client.get("/v1/models")
     error = _error(response, 500, None)
     assert error["message"] == INTERNAL_ERROR and "secret" not in response.text
+
+
+def test_a_priority_without_the_priority_policy_is_a_400_naming_it(client):
+    """The engine runs fcfs (the default): a client may not jump the queue or force preemptions."""
+    for path, body in [("/v1/completions", _completion(priority=-1)),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                 "priority": 3})]:
+        error = _error(client.post(path, json=body), 400, "priority")
+        assert "priority scheduling is not enabled" in error["message"] and "--scheduling-policy" in error["message"]
+    assert client.post("/v1/completions", json=_completion(priority=0)).status_code == 200
+
+
+KEYED_ROUTES = [("GET", "/metrics", None), ("GET", "/server_info", None), ("POST", "/tokenize", {"prompt": "hi"}),
+                ("POST", "/detokenize", {"tokens": [104, 105]}), ("GET", "/v1/models", None)]
+
+
+@pytest.mark.parametrize("method, path, body", KEYED_ROUTES, ids=[path for _, path, _ in KEYED_ROUTES])
+def test_the_api_key_guards_every_route_that_tells_or_costs(app, method, path, body):
+    with TestClient(app, raise_server_exceptions=False) as keyless:
+        _error(keyless.request(method, path, json=body), 401, None)
+        wrong = keyless.request(method, path, json=body, headers={"Authorization": "Bearer wrong"})
+        _error(wrong, 401, None)
+        assert keyless.request(method, path, json=body, headers=AUTH).status_code == 200
+
+
+def test_probes_the_version_and_the_chat_page_need_no_key(app):
+    """/health for probes; the page asks for the key itself and sends it on its /v1 calls."""
+    with TestClient(app, raise_server_exceptions=False) as keyless:
+        for path in ("/health", "/version", "/", "/static/index.html", "/static/chat.js"):
+            assert keyless.get(path).status_code == 200, path
+        _error(keyless.get("/no/such/route"), 401, None)  # unknown routes are guarded too: nothing to probe
+
+
+def test_every_path_that_serves_the_chat_page_sends_its_csp(client):
+    page = client.get("/")
+    assert page.status_code == 200 and "<html" in page.text.lower()
+    served = []
+    for path in ("/", "/static/index.html", "/static/", "/static", "/index.html", "/static/./index.html"):
+        response = client.get(path)
+        if response.status_code == 200 and response.text == page.text:
+            served.append(path)
+            for name, value in CHAT_PAGE_HEADERS.items():
+                assert response.headers.get(name) == value, (path, name, response.headers)
+    assert {"/", "/static/index.html"} <= set(served), served
+
+
+CROSS_SITE_CONTENT_TYPES = [{"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"}, {}]
+
+
+@pytest.mark.parametrize("headers", CROSS_SITE_CONTENT_TYPES, ids=["text/plain", "form", "no-content-type"])
+def test_a_json_body_that_does_not_say_it_is_json_is_refused_unparsed(app, client, headers, monkeypatch):
+    """A page on another site can send these without a CORS preflight (CSRF, DNS rebinding): the body is
+    never parsed as JSON, so the request is a 4xx and nothing reaches the engine."""
+    submitted = []
+
+    def submit(*args, **kwargs):
+        submitted.append(args)
+        raise RuntimeError("the test's engine takes nothing")  # a 503, so a body that got here fails the test
+
+    monkeypatch.setattr(app.state.jaxserve.engine_loop, "submit", submit)
+    body = json.dumps(_completion()).encode()
+    response = client.post("/v1/completions", content=body, headers=headers)
+    assert 400 <= response.status_code < 500, (response.status_code, response.text)
+    assert response.json()["error"]["code"] == response.status_code and submitted == []
+
+
+@pytest.fixture(scope="module")
+def host_checked(engine_loop):
+    app = create_app(engine_loop, "tiny", max_request_body_bytes=MAX_BODY, allowed_hosts=["localhost", "127.0.0.1"])
+    with TestClient(app, base_url="http://localhost:8000") as c:
+        yield c
+
+
+def test_a_host_header_outside_allowed_hosts_is_a_400(host_checked):
+    """Against DNS rebinding: a page at evil.example that resolves to 127.0.0.1 sends Host: evil.example."""
+    for host in ("evil.example", "evil.example:8000", "localhost.evil.example", "testserver"):
+        for path in ("/health", "/v1/models", "/"):
+            assert host_checked.get(path, headers={"Host": host}).status_code == 400, (host, path)
+    for host in ("localhost:8000", "127.0.0.1", "LOCALHOST"):
+        assert host_checked.get("/health", headers={"Host": host}).status_code == 200, host
+
+
+def test_without_allowed_hosts_any_host_is_served(client):
+    assert client.get("/health", headers={"Host": "evil.example"}).status_code == 200
+
+
+@pytest.mark.parametrize("host", ["localhost:8000", "", "*example.com", "a.*.example.com", "::1"])
+def test_allowed_hosts_are_names_without_ports(host):
+    with pytest.raises(ValueError, match="allowed host"):
+        check_allowed_hosts([host])
+    check_allowed_hosts(["localhost", "*.example.com", "*", "[::1]"])
+
+
+def test_a_grammar_evicted_before_admission_is_not_compiled_again_on_the_event_loop(client, monkeypatch):
+    """The server compiles a constraint on a tokenizer thread, then admits the request on the event loop;
+    with a cache that keeps nothing (as one full of other clients' grammars), admission must not compile."""
+    threads = []
+    real = StructuredOutputsParams.llguidance_grammar
+
+    def recording(self):
+        threads.append(threading.current_thread().name)
+        return real(self)
+
+    monkeypatch.setattr(StructuredOutputsParams, "llguidance_grammar", recording)
+    monkeypatch.setattr(structured_output, "_CACHE_SIZE", 0)
+    for regex in ("(ab){1,3}c", "x[yz]{2}"):  # distinct from any other test's, so each really compiles
+        body = _completion(structured_outputs={"regex": regex}, max_tokens=8, temperature=0)
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        assert re.fullmatch(regex, response.json()["choices"][0]["text"]), response.json()
+    assert len(threads) == 2 and all(name.startswith("jaxserve-tokenize") for name in threads), threads

@@ -27,7 +27,8 @@ NUM_CLIENTS = 64
 @pytest.fixture(scope="module")
 def load_server(tiny_model_dir):
     """Room in the queue for every client of the load test, so none of them is refused."""
-    with run_server([str(tiny_model_dir("llama")), *TINY_FLAGS, "--max-queued-requests", str(NUM_CLIENTS)]) as srv:
+    with run_server([str(tiny_model_dir("llama")), *TINY_FLAGS, "--max-queued-requests", str(NUM_CLIENTS),
+                     "--scheduling-policy", "priority"]) as srv:
         yield srv
 
 

@@ -20,7 +20,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from jaxserve import LLM, SamplingParams, StructuredOutputsParams
+from jaxserve import LLM, SamplingParams, StructuredOutputsParams, structured_output
 from jaxserve.errors import InvalidParameter
 from jaxserve.sampling import apply_token_bitmask, sample
 from jaxserve.step_inputs import StepInputBuilder
@@ -230,3 +230,34 @@ def test_the_sampler_and_its_vocabulary_split_honour_the_bitmask(branches):
     for row in (0, 2, 3):
         assert int(one[row]) in allowed[row]
     assert int(one[1]) == int(jnp.argmax(logits[1]))  # greedy and unconstrained: the plain argmax
+
+
+def test_params_hold_their_compiled_grammar_whatever_the_cache_evicts(monkeypatch):
+    """The server compiles a request's grammar on a worker thread, then admits it on the event loop: a
+    grammar that other clients' evicted from the cache in between must not be compiled again there. The
+    held grammar is not part of the params' value (equal, hashed, copied and pickled without it)."""
+    import copy
+    import pickle
+
+    from tiny_models import VOCAB_SIZE, byte_tokenizer
+
+    monkeypatch.setattr(structured_output, "_CACHE_SIZE", 1)
+    compiled = []
+    real = StructuredOutputsParams.llguidance_grammar
+    monkeypatch.setattr(StructuredOutputsParams, "llguidance_grammar",
+                        lambda self: compiled.append(self.regex) or real(self))
+    grammars = structured_output.Grammars(byte_tokenizer(), VOCAB_SIZE)
+    validated = StructuredOutputsParams(regex="ab+")
+    grammars.compile(validated)
+    grammars.compile(StructuredOutputsParams(regex="cd+"))  # another client's grammar takes the only place
+    matcher = grammars.matcher(validated)  # admission
+    assert compiled == ["ab+", "cd+"]
+    allowed = np.zeros((1, grammars.words), np.int32)
+    matcher.fill(allowed, 0)
+    assert list(structured_output.allowed_token_ids(allowed[0])) == byte_tokenizer().encode("a")
+
+    for twin in (StructuredOutputsParams(regex="ab+"), copy.deepcopy(validated), pickle.loads(pickle.dumps(validated))):
+        assert twin == validated and hash(twin) == hash(validated) and twin._compiled is None
+    other = structured_output.Grammars(byte_tokenizer(), VOCAB_SIZE)  # another tokenizer's grammar is its own
+    other.compile(validated)
+    assert compiled == ["ab+", "cd+", "ab+"] and validated._compiled[0] is other
