@@ -49,7 +49,7 @@ def serve(args: argparse.Namespace) -> None:
         engine.tokenizer.chat_template = chat_template
     engine_loop = EngineLoop(engine, iteration_timeout_s=args.engine_iteration_timeout_s).start()
     if engine.leader is not None:  # a multi-host group's leader: a follower's end ends serving
-        engine.leader.on_follower_lost = engine_loop.fail
+        engine.leader.on_follower_lost = engine_loop.fail  # called at once for a follower already gone
     name = args.served_model_name or (os.path.basename(str(args.model).rstrip("/")) if args.model
                                       else "SmolLM2-135M-Instruct")
     api_key = args.api_key or os.environ.get("JAXSERVE_API_KEY")

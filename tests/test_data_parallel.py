@@ -409,7 +409,7 @@ def test_the_start_up_wait_ends_when_a_replica_goes_unhealthy_meanwhile(monkeypa
     for rank, replica in enumerate(replicas):
         replica.healthy = lambda timeout_s=1.0, rank=rank: next(answers[rank], False)
     signals_seen, returned = [], []
-    waiting = threading.Thread(target=lambda: returned.append(data_parallel._start(
+    waiting = threading.Thread(target=lambda: returned.append(data_parallel.start_group(
         replicas, _RouterListingOne(), signals_seen, SimpleNamespace(router_policy="round_robin"))), daemon=True)
     try:
         waiting.start()
