@@ -155,13 +155,17 @@ class EngineLoop:
         stopping: whatever it did not take by now it never will)."""
         for stream in list(self._streams.values()):
             stream.put(StreamDelta([], error=error))
-        while True:
-            try:
-                command, arg = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for command, arg in self._queued_commands():
             if command == "add":
                 arg.put(StreamDelta([], error=error))
+
+    def _queued_commands(self):
+        """Takes the queued commands, oldest first, until the queue is empty."""
+        while True:
+            try:
+                yield self._commands.get_nowait()
+            except queue.Empty:
+                return
 
     # -- callers' side (any thread) -----------------------------------------------------------------
 
@@ -236,11 +240,7 @@ class EngineLoop:
                 return
 
     def _apply_commands(self) -> None:
-        while True:
-            try:
-                command, arg = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for command, arg in self._queued_commands():
             if command == "add":
                 try:
                     self.engine.add_request(arg.request)

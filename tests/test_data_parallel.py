@@ -225,11 +225,7 @@ def test_killed_replica_fails_its_streams_only_and_rejoins(launcher):
     assert all(r == 8 * 100 for r in results.values() if not isinstance(r, Exception)), results
 
     launcher.wait_for(rf"replica {victim} \(pid \d+\) exited", timeout_s=10)
-    deadline = time.monotonic() + 10
-    while any(w["url"] == victim_url for w in
-              httpx.get(launcher.url + "/workers", headers=AUTH, timeout=10).json()["workers"]):
-        assert time.monotonic() < deadline, "the router still lists the dead replica"
-        time.sleep(0.1)
+    _wait_until_the_router_drops(launcher, victim_url, "the dead replica")
     for i in range(10):
         response = httpx.post(launcher.url + "/v1/completions", headers=AUTH, timeout=60,
                               json={"model": "tiny", "prompt": f"after {i} {i * 31}", "max_tokens": 4})
@@ -240,6 +236,15 @@ def test_killed_replica_fails_its_streams_only_and_rejoins(launcher):
     assert new_pid != victim_pid and url == victim_url
     assert _served_by_all(launcher.url, [url], "back"), \
         f"the restarted replica gets no requests:\n{launcher.text()[-3000:]}"
+
+
+def _wait_until_the_router_drops(launcher, url: str, what: str) -> None:
+    """The launcher takes a replica it found dead or stuck out of the router within 10 s."""
+    deadline = time.monotonic() + 10
+    while any(w["url"] == url for w in
+              httpx.get(launcher.url + "/workers", headers=AUTH, timeout=10).json()["workers"]):
+        assert time.monotonic() < deadline, f"the router still lists {what}"
+        time.sleep(0.1)
 
 
 def test_a_stuck_replica_turns_unhealthy_is_restarted_and_the_router_serves_on(launcher):
@@ -258,11 +263,7 @@ def test_a_stuck_replica_turns_unhealthy_is_restarted_and_the_router_serves_on(l
         assert health.status_code == 503 and "stuck" in health.json()["error"]["message"]
         launcher.wait_for(rf"replica {victim} \(pid {victim_pid}\) has not answered /health", timeout_s=120)
         launcher.wait_for(rf"replica {victim} \(pid {victim_pid}\) exited", timeout_s=30)
-        deadline = time.monotonic() + 10
-        while any(w["url"] == victim_url for w in
-                  httpx.get(launcher.url + "/workers", headers=AUTH, timeout=10).json()["workers"]):
-            assert time.monotonic() < deadline, "the router still lists the stuck replica"
-            time.sleep(0.1)
+        _wait_until_the_router_drops(launcher, victim_url, "the stuck replica")
         for i in range(6):
             response = httpx.post(launcher.url + "/v1/completions", headers=AUTH, timeout=60,
                                   json={"model": "tiny", "prompt": f"meanwhile {i}", "max_tokens": 4})

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 
 import httpx
 import pytest
+from engine_fakes import BlockingStep
 
 from jaxserve import LLM
 from jaxserve.engine_loop import EngineLoop
@@ -30,29 +30,14 @@ def llm(tiny_model_dir):
                block_size=8, num_kv_pages=64)
 
 
-class _BlockingStep:
-    """Stands in for `engine.step`: signals `entered`, blocks until `gate` is set, then raises `error`
-    (or, with none, returns no outputs)."""
-
-    def __init__(self, error: BaseException | None = None):
-        self.entered, self.gate, self.error = threading.Event(), threading.Event(), error
-
-    def __call__(self):
-        self.entered.set()
-        self.gate.wait()
-        if self.error is not None:
-            raise self.error
-        return []
-
-
 @pytest.fixture
 def blocked_server(llm, monkeypatch):
     """make(error, **loop_kwargs) -> (app, step): an app over an engine loop whose first step blocks in a
-    `_BlockingStep`. Afterwards the step is let go and the engine left with no request."""
+    `BlockingStep`. Afterwards the step is let go and the engine left with no request."""
     made = []
 
     def make(error: BaseException | None = None, **loop_kwargs):
-        step = _BlockingStep(error)
+        step = BlockingStep(error)
         monkeypatch.setattr(llm.engine, "step", step)
         engine_loop = EngineLoop(llm.engine, **loop_kwargs).start()
         made.append((engine_loop, step))

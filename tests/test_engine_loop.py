@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from engine_fakes import BlockingStep
 
 from jaxserve import LLM, SamplingParams
 from jaxserve import engine_loop as engine_loop_module
@@ -120,21 +121,6 @@ def test_dead_loop_is_reported(llm):
 # -- a dead or stuck loop leaves nobody waiting (issue 34) --------------------------------------------
 
 
-class _BlockingStep:
-    """Stands in for `engine.step`: signals `entered`, blocks until `gate` is set, then raises `error`
-    (or, with none, returns no outputs)."""
-
-    def __init__(self, error: BaseException | None = None):
-        self.entered, self.gate, self.error = threading.Event(), threading.Event(), error
-
-    def __call__(self):
-        self.entered.set()
-        self.gate.wait()
-        if self.error is not None:
-            raise self.error
-        return []
-
-
 def _last_deltas(streams, timeout_s: float) -> list:
     """Each stream's last delta, read on its own thread; None for a stream still open after `timeout_s`."""
     last = [None] * len(streams)
@@ -154,9 +140,9 @@ def _last_deltas(streams, timeout_s: float) -> list:
 
 @pytest.fixture
 def blocked_loop(llm, monkeypatch, request):
-    """An engine loop whose first step blocks in a `_BlockingStep` (request.param: its error, if any);
+    """An engine loop whose first step blocks in a `BlockingStep` (request.param: its error, if any);
     yields (loop, step). Afterwards the step is let go and the engine left with no request."""
-    step = _BlockingStep(getattr(request, "param", None))
+    step = BlockingStep(getattr(request, "param", None))
     monkeypatch.setattr(llm.engine, "step", step)
     loops = []
 
