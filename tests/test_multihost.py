@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import re
 import secrets
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -118,3 +121,97 @@ def test_a_follower_stops_with_its_leader(tiny_model_dir):
         follower_code = follower.wait(timeout=60)
         print("exit codes", leader_code, follower_code)
         assert (leader_code, follower_code) == (0, 0)
+
+
+class _CreatesAFile:
+    """Unpickling this creates `path`: what any pickle that reaches an unpickler can do."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def _wait_for(condition, what: str, timeout_s: float, procs: list[subprocess.Popen], poll_s: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert all(proc.poll() is None for proc in procs), f"a process exited while waiting for {what}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout_s:.0f} s"
+        time.sleep(poll_s)
+
+
+def _accepts(address: tuple[str, int]) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(address, timeout=1):
+        return True
+    return False
+
+
+def test_pickles_and_probes_at_start_up_run_nothing_and_keep_no_follower_out(tiny_model_dir, tmp_path):
+    """Issue 34, in two processes: while the leader waits for its follower, its step port gets a pickle
+    that would create a file (bare, and behind the old length prefix), a connection that stays silent and
+    one that closes at once. Nothing is unpickled (no file), each is refused and logged, and the real
+    follower still joins and the group serves. The follower is held (SIGSTOP) while it compiles, before
+    it connects, so the probes reach the leader's port before it does; then it goes on (SIGCONT)."""
+    model = str(tiny_model_dir("llama"))
+    coordinator = free_port()
+    group = ["-tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{coordinator}"]
+    flags = [model, "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+             "--num-kv-pages", "32"]
+    env = {**os.environ, SECRET_ENV: secrets.token_hex(32)}
+    env.pop(SECRET_FILE_ENV, None)
+    env.pop("JAXSERVE_API_KEY", None)
+    marker = tmp_path / "unpickled"
+    payload = pickle.dumps(_CreatesAFile(str(marker)))
+    http_port = free_port()
+    leader_log, follower_log = tmp_path / "leader.log", tmp_path / "follower.log"
+    serve = [sys.executable, "-m", "jaxserve.cli", "serve", *flags, *group]
+    with open(leader_log, "wb") as leader_err, open(follower_log, "wb") as follower_err:
+        follower = subprocess.Popen([*serve, "--node-rank", "1"], cwd=REPO_ROOT, env=env,
+                                    stdout=subprocess.DEVNULL, stderr=follower_err)
+        leader = subprocess.Popen([*serve, "--node-rank", "0", "--host", "127.0.0.1", "--port", str(http_port)],
+                                  cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=leader_err)
+    procs = [leader, follower]
+    probes = []
+    try:
+        # Polled closely: the follower connects only after compiling every bucket, and only once the leader listens.
+        _wait_for(lambda: b"compiling buckets" in follower_log.read_bytes(), "follower compiling", 300, procs, 0.01)
+        follower.send_signal(signal.SIGSTOP)
+        step_port = ("127.0.0.1", coordinator + 1)
+        _wait_for(lambda: _accepts(step_port), "leader listening for its follower", 300, [leader])
+        probes.append(socket.create_connection(step_port, timeout=30))  # stays silent
+        socket.create_connection(step_port, timeout=30).close()  # closes at once
+        for data in (payload, struct.pack("!Q", len(payload)) + payload):  # bare; the old channel's framing
+            conn = socket.create_connection(step_port, timeout=30)
+            probes.append(conn)
+            conn.sendall(data)
+        _wait_for(lambda: leader_log.read_bytes().count(b"step channel: refused") >= 3,
+                  "refusals in the leader's log", 60, [leader])
+        follower.send_signal(signal.SIGCONT)
+
+        url = f"http://127.0.0.1:{http_port}"
+
+        def healthy() -> bool:
+            with contextlib.suppress(httpx.HTTPError):
+                return httpx.get(url + "/health", timeout=2).status_code == 200
+            return False
+
+        _wait_for(healthy, "healthy leader", 300, procs)
+        reply = httpx.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        log = leader_log.read_text(errors="replace")
+        assert not marker.exists(), "a pickle sent to the step port was unpickled"
+        assert "follower rank 1 joined" in follower_log.read_text(errors="replace")
+        assert log.count("step channel: refused") >= 3, log[-3000:]
+    finally:
+        for conn in probes:
+            conn.close()
+        with contextlib.suppress(ProcessLookupError):
+            follower.send_signal(signal.SIGCONT)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=60)
+        if sys.exc_info()[0] is not None:
+            print("leader:", leader_log.read_text(errors="replace")[-4000:])
+            print("follower:", follower_log.read_text(errors="replace")[-4000:])
