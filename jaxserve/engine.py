@@ -120,7 +120,8 @@ class LLMEngine:
         if cfg.node_rank > 0:  # a follower serves the leader's steps until the leader stops, then exits
             multihost.run_follower(model, dataclasses.replace(cfg, dtype=dtype), show_progress)
             raise SystemExit(0)
-        engine = cls(load_model(model, dtype, lazy=cfg.tensor_parallel_size > 1), cfg)
+        engine = cls(load_model(model, dtype, lazy=cfg.tensor_parallel_size > 1, load_format=cfg.load_format,
+                                seed=cfg.seed), cfg)
         runner = engine.runner
         if runner.defaults:
             print(f"jaxserve: defaults for {runner.device.kind} ({device_defaults.kind_defaults(runner.device).why}): "

@@ -60,6 +60,9 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 # vLLM's: fcfs orders by arrival alone; priority lets a request's `priority` (lower first) order admission and
 # choose preemption victims, so off by default: any client could otherwise jump the queue.
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# vLLM's: auto reads the weights from the model's files; dummy draws random ones on the device in the shape
+# of a Hugging Face directory's config.json, to benchmark a shape without its weight files.
+LOAD_FORMATS = ("auto", "dummy")
 
 
 def _per_device(setting: str) -> str:
@@ -122,7 +125,11 @@ class EngineConfig:
     kv_cache_dtype: str = setting("auto", "the KV pages' dtype; auto: dtype's, bfloat16 under matmul_backend "
                                           "cpu-bf16 (half the bytes per token; a float32 engine widens them as it "
                                           "reads them)", choices=KV_CACHE_DTYPES)
-    seed: int = setting(0, "seed of the seeds drawn for requests that bring none")
+    seed: int = setting(0, "seed of the seeds drawn for requests that bring none (and of dummy weights)")
+    load_format: str = setting(
+        "auto", "auto: the model's weight files; dummy: random weights made on the device, in the shape of a "
+                "Hugging Face directory's config.json (no weight file needed; for benchmarking, the outputs are "
+                "meaningless)", choices=LOAD_FORMATS)
     enable_prefix_caching: bool = setting(True, "reuse the KV pages of earlier prompts' common prefixes")
     long_prefill_token_threshold: int = setting(
         0, "a prompt with more tokens left to prefill than this is long: it takes at most this many tokens "
@@ -190,6 +197,9 @@ class EngineConfig:
         check(self.max_model_len is None or self.max_model_len > 0, f"{self.max_model_len=} must be positive")
         check(self.max_num_seqs is None or self.max_num_seqs > 0, f"{self.max_num_seqs=} must be positive")
         check(self.tensor_parallel_size >= 1, f"{self.tensor_parallel_size=} must be at least 1")
+        check(self.load_format != "dummy" or self.tensor_parallel_size == 1,
+              f"load_format='dummy' does not support tensor parallelism yet ({self.tensor_parallel_size=}); "
+              f"use one device, or real weights")
         check(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes,
               f"{self.node_rank=} must be in [0, {self.nnodes=})")
         check(self.tensor_parallel_size % self.nnodes == 0,

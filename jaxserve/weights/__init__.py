@@ -7,8 +7,9 @@ names the file and the problem. `jaxserve convert` writes the orbax checkpoint t
 
 This module resolves a path to its source and is the package's public API; each source has its own
 module: `hf.py` (Hugging Face names and directories, and the builder every source goes through),
-`gguf.py`, `orbax.py`, `cache.py` (what a GGUF's first load leaves for later ones), `loaded.py`, and
-`lazy.py` (params read slice by slice, for tensor parallelism).
+`gguf.py`, `orbax.py`, `cache.py` (what a GGUF's first load leaves for later ones), `loaded.py`,
+`lazy.py` (params read slice by slice, for tensor parallelism), and `dummy.py` (random params in a
+directory's shape, `load_format="dummy"`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 from pathlib import Path
 
 from jaxserve.config import ModelLoadError
+from jaxserve.weights.dummy import load_dummy
 from jaxserve.weights.gguf import gguf_tensor_types, load_gguf, load_gguf_tokenizer
 from jaxserve.weights.hf import load_hf_dir, load_tokenizer_dir
 from jaxserve.weights.lazy import LazyTensor
@@ -53,12 +55,17 @@ def default_model_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
 
 
-def load_model(model: str | os.PathLike | None = None, dtype: str = "float32", lazy: bool = False) -> LoadedModel:
+def load_model(model: str | os.PathLike | None = None, dtype: str = "float32", lazy: bool = False,
+               load_format: str = "auto", seed: int = 0) -> LoadedModel:
     """Loads a model directory or file; None means the default model. lazy: the params are
-    LazyTensors (`lazy.py`) read only where indexed, so a process can take just its devices' slices."""
+    LazyTensors (`lazy.py`) read only where indexed, so a process can take just its devices' slices.
+    load_format "dummy": a Hugging Face directory's shape with random params from `seed` (`dummy.py`)."""
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist")
+    if load_format == "dummy":
+        assert not lazy, "dummy params are made whole on one device (EngineConfig refuses tensor parallelism)"
+        return load_dummy(path, dtype, seed)
     if is_checkpoint(path):
         return load_checkpoint(path, dtype, lazy)
     gguf_files = [path] if path.is_file() else sorted(path.glob("*.gguf"))

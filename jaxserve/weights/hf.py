@@ -115,14 +115,7 @@ def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray | LazyTenso
 def load_hf_dir(path: Path, dtype: str, lazy: bool = False) -> LoadedModel:
     """A Hugging Face model directory: config.json, safetensors (single or sharded), tokenizer files.
     lazy: the params are LazyTensors that read safetensors slices where they are indexed."""
-    from transformers import AutoConfig
-
-    try:
-        hf_config = AutoConfig.from_pretrained(path)
-    except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"cannot read {str(path / 'config.json')!r}: {e}") from None
-    cfg = _with_generation_eos(ModelConfig.from_hf(hf_config), path)
-
+    cfg = hf_dir_config(path)
     index_file = path / "model.safetensors.index.json"
     if index_file.exists():
         weight_map = json.loads(index_file.read_text())["weight_map"]
@@ -137,6 +130,17 @@ def load_hf_dir(path: Path, dtype: str, lazy: bool = False) -> LoadedModel:
     files = SafetensorsFiles(lambda name: path / (weight_map[name] if weight_map else "model.safetensors"))
     params = params_from_hf(cfg, files.lazy if lazy else files.get, dtype, desc=f"loading {path.name}")
     return LoadedModel(cfg, params, load_tokenizer_dir(path), str(path))
+
+
+def hf_dir_config(path: Path) -> ModelConfig:
+    """The ModelConfig of a Hugging Face directory: config.json, plus generation_config.json's eos ids."""
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {str(path / 'config.json')!r}: {e}") from None
+    return _with_generation_eos(ModelConfig.from_hf(hf_config), path)
 
 
 def hf_names(cfg: ModelConfig) -> list[str]:
