@@ -61,6 +61,55 @@ def log(message: str) -> None:
 # jaxserve
 
 
+def engine_phases(engine, prompts: np.ndarray, decode_steps: int, async_scheduling: bool,
+                  device_repeats: int) -> dict:
+    """The engine's loop over B requests (prompts [B, P]), decode steps only: per step, ms in each
+    phase, the step's wall ms, and the device's ms for one step (see the module docstring)."""
+    from jaxserve.engine import STEP_PHASES
+    from jaxserve.sampling import SamplingParams
+
+    runner = engine.runner
+    engine.async_scheduling = async_scheduling
+    params = SamplingParams(temperature=0.0, max_tokens=decode_steps, ignore_eos=True)
+    requests = [engine.add_request(p.tolist(), params) for p in prompts]
+    while not all(r.output_token_ids for r in requests):  # the prompts, and their first tokens read
+        engine.step()
+    seen: dict[tuple[str, int], list] = {}  # per executable: how many steps ran it, and its last inputs
+    launch = runner.launch
+
+    def recording_launch(kind, bucket, inputs):
+        seen.setdefault((kind, bucket), [0, None])[0] += 1
+        seen[kind, bucket][1] = inputs
+        return launch(kind, bucket, inputs)
+
+    runner.launch = recording_launch
+    phases, steps, start = dict(engine.phase_seconds), engine.num_steps, time.perf_counter()
+    try:
+        while engine.has_unfinished:
+            engine.step()
+    finally:
+        del runner.launch
+    wall, steps = time.perf_counter() - start, engine.num_steps - steps
+    assert steps > 0
+    # The device's time for one step of the executable most of these steps ran, alone: back to back,
+    # waited for once. (Its inputs' K/V rewrite freed pages: callers drop the prefix cache after, so
+    # nothing reads them; row updates are left out, as most steps have none.)
+    (kind, bucket), (_, inputs) = max(seen.items(), key=lambda item: item[1][0])
+    inputs = inputs._replace(prev_rows=np.full_like(inputs.prev_rows, -1),
+                             **{name: None for name in ("row_updates",) if name in inputs._fields})
+    runner.fetch(runner.launch(kind, bucket, inputs), 1, False)
+    device_start = time.perf_counter()
+    for _ in range(device_repeats):
+        out = runner.launch(kind, bucket, inputs)
+    runner.fetch(out, 1, False)
+    device = (time.perf_counter() - device_start) / device_repeats
+    per_step = {phase: 1000 * (engine.phase_seconds[phase] - phases[phase]) / steps for phase in STEP_PHASES}
+    return {"async_scheduling": async_scheduling, "decode_steps": steps, "phase_ms": per_step,
+            "host_ms": sum(v for k, v in per_step.items() if k != "wait"), "step_ms": 1000 * wall / steps,
+            "device_ms": 1000 * device, "device_busy": min(device / (wall / steps), 1.0),
+            "bucket": f"{kind} {bucket}", "buckets_run": {f"{k} {b}": n for (k, b), (n, _) in seen.items()}}
+
+
 class JaxserveBench:
     def __init__(self, max_batch: int, prompt_len: int, decode_steps: int, max_phase_batch: int = 0):
         from jaxserve.engine import LLMEngine
@@ -96,52 +145,9 @@ class JaxserveBench:
         self.tables = []
 
     def phases(self, prompts: np.ndarray, async_scheduling: bool, device_repeats: int) -> dict:
-        """The engine's loop over B requests (prompts [B, P]), decode steps only: per step, ms in each
-        phase, the step's wall ms, and the device's ms for one step (see the module docstring)."""
-        from jaxserve.engine import STEP_PHASES
-        from jaxserve.sampling import SamplingParams
-
-        engine, runner = self.engine, self.runner
-        engine.async_scheduling = async_scheduling
-        params = SamplingParams(temperature=0.0, max_tokens=self.decode_steps, ignore_eos=True)
-        requests = [engine.add_request(p.tolist(), params) for p in prompts]
-        while not all(r.output_token_ids for r in requests):  # the prompts, and their first tokens read
-            engine.step()
-        seen: dict[tuple[str, int], list] = {}  # per executable: how many steps ran it, and its last inputs
-        launch = runner.launch
-
-        def recording_launch(kind, bucket, inputs):
-            seen.setdefault((kind, bucket), [0, None])[0] += 1
-            seen[kind, bucket][1] = inputs
-            return launch(kind, bucket, inputs)
-
-        runner.launch = recording_launch
-        phases, steps, start = dict(engine.phase_seconds), engine.num_steps, time.perf_counter()
-        try:
-            while engine.has_unfinished:
-                engine.step()
-        finally:
-            del runner.launch
-        wall, steps = time.perf_counter() - start, engine.num_steps - steps
-        assert steps > 0
-        # The device's time for one step of the executable most of these steps ran, alone: back to back,
-        # waited for once. (Its inputs' K/V rewrite freed pages: the prefix cache is dropped after, so
-        # nothing reads them; row updates are left out, as most steps have none.)
-        (kind, bucket), (_, inputs) = max(seen.items(), key=lambda item: item[1][0])
-        inputs = inputs._replace(prev_rows=np.full_like(inputs.prev_rows, -1),
-                                 **{name: None for name in ("row_updates",) if name in inputs._fields})
-        runner.fetch(runner.launch(kind, bucket, inputs), 1, False)
-        device_start = time.perf_counter()
-        for _ in range(device_repeats):
-            out = runner.launch(kind, bucket, inputs)
-        runner.fetch(out, 1, False)
-        device = (time.perf_counter() - device_start) / device_repeats
+        result = engine_phases(self.engine, prompts, self.decode_steps, async_scheduling, device_repeats)
         self.pool.reset_prefix_cache()
-        per_step = {phase: 1000 * (engine.phase_seconds[phase] - phases[phase]) / steps for phase in STEP_PHASES}
-        return {"async_scheduling": async_scheduling, "decode_steps": steps, "phase_ms": per_step,
-                "host_ms": sum(v for k, v in per_step.items() if k != "wait"), "step_ms": 1000 * wall / steps,
-                "device_ms": 1000 * device, "device_busy": min(device / (wall / steps), 1.0),
-                "bucket": f"{kind} {bucket}", "buckets_run": {f"{k} {b}": n for (k, b), (n, _) in seen.items()}}
+        return result
 
     def cases(self, prompts: np.ndarray) -> Cases:
         """prompts [B, P] int32. Prefill must run before decode (decode feeds on its sampled ids)."""

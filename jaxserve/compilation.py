@@ -7,10 +7,12 @@ an error, which is how tests prove that no request compiles anything after warm-
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import threading
 from pathlib import Path
+from typing import Callable, Hashable
 
 import jax
 
@@ -86,3 +88,21 @@ def enable_persistent_cache(cache_dir: str | os.PathLike | None = None) -> Path 
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
+
+
+def compile_all(lower: Callable[[Hashable], object], keys: list, desc: str, show_progress: bool) -> dict:
+    """{key: lower(key).compile()} for every key. Lowering traces Python, so it runs one key at a time;
+    XLA's compilations release the GIL, so they run side by side on the machine's cores (a GPU host
+    compiles a model's buckets several times faster than one after another)."""
+    from tqdm.auto import tqdm
+
+    lowered = {key: lower(key) for key in keys}
+    workers = max(1, min(len(keys), os.cpu_count() or 1, 8))
+    compiled = {}
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as pool, \
+            tqdm(total=len(keys), desc=desc, unit="exe", disable=not show_progress) as bar:
+        futures = {pool.submit(module.compile): key for key, module in lowered.items()}
+        for future in concurrent.futures.as_completed(futures):
+            compiled[futures[future]] = future.result()
+            bar.update(1)
+    return compiled

@@ -23,7 +23,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
 from jaxserve import compilation, device_batch, device_defaults
 from jaxserve.attention_backends import paired_attention_backend, resolve_attention_backend, resolve_matmul_backend
@@ -243,8 +242,8 @@ class ModelRunner:
         start, hits = time.perf_counter(), compilation.num_cache_hits()
         todo = [("decode", b) for b in self.decode_buckets] + [("prefill", b) for b in self.prefill_buckets]
         todo = [key for key in todo if key not in self._executables]
-        for kind, bucket in tqdm(todo, desc="compiling buckets", unit="exe", disable=not show_progress):
-            self._executables[kind, bucket] = self.lower(kind, bucket).compile()
+        self._executables |= compilation.compile_all(lambda key: self.lower(*key), todo, "compiling buckets",
+                                                     show_progress)
         for num_rows in self.inputs.update_buckets:  # the device batch's row writers: small, quick to compile
             if num_rows not in self._row_writers:
                 self._row_writers[num_rows] = self._write_rows.trace(

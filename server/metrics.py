@@ -33,6 +33,9 @@ class _EngineCollector:
             "device_weight_bytes": ("Weight bytes on each device", stats["device_weight_bytes"]),
             "device_kv_cache_bytes": ("KV page bytes on each device", stats["device_kv_cache_bytes"]),
         }
+        if stats.get("compilations_since_warmup") is not None:  # None: not warmed up
+            gauges["compilations_since_warmup"] = ("XLA compilations since warm-up (0 when every shape hit a "
+                                                   "declared bucket)", stats["compilations_since_warmup"])
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
         counters = {

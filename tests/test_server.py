@@ -622,6 +622,7 @@ def test_metrics_counters_match_the_requests_sent(client, http, url):
     assert metric(after, "jaxserve:num_requests_running") == 0
     assert metric(after, "jaxserve:num_requests_waiting") == 0
     assert metric(after, "jaxserve:kv_cache_usage_perc") == 0
+    assert after[("jaxserve:compilations_since_warmup", ())] == 0  # present: the server warmed up
     # one request at a time: a step per generated token at least, and the model's time inside the steps'
     assert delta("engine_steps_total") >= sum(u.completion_tokens for u in usages)
     assert delta("engine_step_seconds_total") >= delta("engine_model_seconds_total") > 0
