@@ -14,10 +14,22 @@ This module decides numbers only: it places, allocates and compiles nothing (mod
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import NamedTuple
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine_config import CPU, GPU, EngineConfig, KindDefaults
+
+
+# XLA's GPU allocator may take this share of each GPU (its own default is 75%): gpu_memory_utilization
+# is then a share of nearly the whole card, as vLLM's is, instead of three quarters of it.
+XLA_MEMORY_FRACTION = "0.95"
+
+
+def let_xla_take_the_gpu() -> None:
+    """Before JAX starts a GPU backend (later it has no effect): XLA_PYTHON_CLIENT_MEM_FRACTION, unless
+    the user set it. On an 80 GB H100 an 8B model's pool grows from about 23 to about 52 GiB."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", XLA_MEMORY_FRACTION)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -75,7 +75,7 @@ class LLMEngine:
     def __init__(self, model: LoadedModel, cfg: EngineConfig):
         self.model_cfg = model.config
         self.tokenizer = model.tokenizer
-        self.runner = ModelRunner(self.model_cfg, cfg, model.params)
+        self.runner = ModelRunner(self.model_cfg, cfg, model.params, release_params=True)
         self.cfg = cfg = self.runner.cfg  # every setting a number: those left unset chosen for the device
         self.leader: multihost.Leader | None = None  # set by from_config on a multi-host group's rank 0
         self.model = dataclasses.replace(model, params=None)  # the runner holds them, in its own layout
@@ -113,6 +113,7 @@ class LLMEngine:
         """Loads `model` (None: the default model), builds its engine and compiles every bucket: what
         both the offline `LLM` and the server start from. Returns the engine and its warm-up summary
         (None without warm-up). Progress and the engine's shape are printed to stderr."""
+        device_defaults.let_xla_take_the_gpu()  # before JAX starts a GPU
         enable_persistent_cache()
         multihost.initialize(cfg)  # before any other JAX work; nothing for one node
         request_cpu_devices(cfg.tensor_parallel_size // cfg.nnodes)
@@ -405,11 +406,10 @@ class LLMEngine:
 
     def _scheduled_seq(self, request: Request, num_new: int, failed: dict[Request, str]) -> ScheduledSeq:
         start, params = request.num_computed_tokens, request.sampling_params
-        tokens = request.all_token_ids
         # With asynchronous scheduling the last token may still be on the device: a placeholder here
-        num_pending = start + num_new - len(tokens)
+        num_pending = start + num_new - (request.num_tokens - request.num_pending_tokens)
         assert num_pending <= 1 and (num_pending <= 0 or request.num_pending_tokens == 1), request.request_id
-        tokens = tokens + [_PLACEHOLDER] * num_pending
+        new_tokens = request.token_ids_between(start, start + num_new) + [_PLACEHOLDER] * max(num_pending, 0)
         try:
             suppress_ids = request.suppressed_token_ids
             slot, write_row, write_history = self.slots.place(
@@ -420,13 +420,13 @@ class LLMEngine:
             # A request takes its slot when admitted, before any token of it is pending: its history is whole
             assert not (write_history and request.num_pending_tokens), request.request_id
             return ScheduledSeq(
-                token_ids=tokens[start:start + num_new],
+                token_ids=new_tokens,
                 num_computed_tokens=start,
                 block_table=request.block_table,
                 params=params,
                 seed=request.seed,
                 prompt_len=len(request.prompt_token_ids),
-                history=tokens if params.uses_penalties and write_history else None,
+                history=request.all_token_ids if params.uses_penalties and write_history else None,
                 suppress_ids=suppress_ids,
                 prev_row=request.pending_row if num_pending > 0 else None,
                 samples=samples,
@@ -437,7 +437,7 @@ class LLMEngine:
         except Exception:  # noqa: BLE001 - one request's failure must not end the others' step
             logger.exception("request %s: preparing its step failed", request.request_id)
             failed.setdefault(request, "preparing its step failed")
-            return ScheduledSeq(tokens[start:start + num_new], start, request.block_table, _INERT_PARAMS, seed=0,
+            return ScheduledSeq(new_tokens, start, request.block_table, _INERT_PARAMS, seed=0,
                                 slot=self.slots.padding_slot, write_row=False, write_history=False)
 
     @staticmethod

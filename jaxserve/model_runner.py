@@ -95,10 +95,17 @@ def _batch_step(params, kv_cache, state: BatchState, inputs: StepInputs, *, step
     return sampled, kv_cache, state
 
 
+def _on_accelerator(x) -> bool:
+    return isinstance(x, jax.Array) and any(d.platform != "cpu" for d in x.devices())
+
+
 class ModelRunner:
-    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, params, platform: str | None = None):
+    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, params, platform: str | None = None,
+                 release_params: bool = False):
         """platform: resolve the attention backend and the unset settings for "gpu"/"cpu" instead of this
-        machine (check-lowering)."""
+        machine (check-lowering). release_params: `params` are the runner's to free: once converted to the
+        serving layout, their accelerator copies are deleted before the KV pool is sized (random weights
+        drawn on a GPU would otherwise hold the weights' memory twice while the pool takes what is left)."""
         requested = engine_cfg
         self.model_cfg = model_cfg
         tp = engine_cfg.tensor_parallel_size
@@ -116,6 +123,12 @@ class ModelRunner:
         self.matmul_backend = resolve_matmul_backend(engine_cfg.matmul_backend, engine_cfg, platform)
         self.attention_backend = paired_attention_backend(self.attention_backend, self.matmul_backend)
         self.params = self._serving_params(params)
+        if release_params:
+            jax.block_until_ready(self.params)
+            kept = {id(leaf) for leaf in jax.tree.leaves(self.params)}  # jit hands back unchanged inputs as they are
+            for leaf in jax.tree.leaves(params):
+                if _on_accelerator(leaf) and id(leaf) not in kept:
+                    leaf.delete()
         # What this process read of LazyTensor params (its devices' slices) out of the whole model's bytes
         self.weight_bytes_read, self.weight_bytes_total = lazy.bytes_read(params), lazy.total_bytes(params)
         # What each device holds (all of it on one device): weights with rope tables and replicated norms
@@ -143,8 +156,7 @@ class ModelRunner:
         self.inputs = StepInputBuilder(model_cfg, engine_cfg)
         if engine_cfg.kv_cache_memory_bytes is None and engine_cfg.num_kv_pages is None:
             # The loader's copy of the weights is alive while the pool is allocated (its owner drops it later).
-            loader_bytes = sum(x.nbytes for x in jax.tree.leaves(params)
-                               if isinstance(x, jax.Array) and any(d.platform != "cpu" for d in x.devices()))
+            loader_bytes = sum(x.nbytes for x in jax.tree.leaves(params) if _on_accelerator(x) and not x.is_deleted())
             memory = MemoryUse(self.device_weight_bytes + loader_bytes, self._step_bytes())
             engine_cfg, self.defaults = device_defaults.resolve(requested, self.device_cfg, self.device, memory)
             self.cfg = engine_cfg

@@ -80,6 +80,15 @@ class Request:
         """The tokens the host knows (num_tokens less the pending ones)."""
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building all_token_ids (a step's few tokens of a long context)."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
+
     @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.is_finished else None

@@ -147,11 +147,16 @@ class StepInputBuilder:
         row = 0
         for i, s in enumerate(seqs):
             n = len(s.token_ids)
-            pos = np.arange(s.num_computed_tokens, s.num_computed_tokens + n, dtype=np.int32)
-            token_ids[row:row + n] = s.token_ids
-            positions[row:row + n] = pos
-            pages = np.asarray(s.block_table, np.int32)[pos // page_size]
-            slot_mapping[row:row + n] = pages * page_size + pos % page_size
+            if n == 1:  # a decode row: plain ints (numpy's per-call cost is most of a row's time)
+                pos = s.num_computed_tokens
+                token_ids[row], positions[row] = s.token_ids[0], pos
+                slot_mapping[row] = s.block_table[pos // page_size] * page_size + pos % page_size
+            else:
+                pos = np.arange(s.num_computed_tokens, s.num_computed_tokens + n, dtype=np.int32)
+                token_ids[row:row + n] = s.token_ids
+                positions[row:row + n] = pos
+                pages = np.asarray(s.block_table, np.int32)[pos // page_size]
+                slot_mapping[row:row + n] = pages * page_size + pos % page_size
             kv_lens[i] = s.num_computed_tokens + n
             samples[i] = s.samples
             if s.prev_row is not None:

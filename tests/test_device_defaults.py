@@ -5,10 +5,11 @@ user gave always wins, and one that cannot work is refused by name. No GPU neede
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 
-from jaxserve import SamplingParams
+from jaxserve import SamplingParams, device_defaults
 from jaxserve.cli import build_parser
 from jaxserve.config import ModelConfig, RopeConfig
 from jaxserve.device_defaults import DeviceInfo, MemoryUse, num_pool_pages, resolve
@@ -152,7 +153,9 @@ def test_no_flags_on_a_described_gpu_size_the_pool_from_its_memory(tiny_model_di
         return LLMEngine.from_config(tiny_model_dir("llama"), EngineConfig(**limits), warmup=warmup,
                                      show_progress=False)[0]
 
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     roomy = start(256 * 2**20, warmup=False)
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.95"  # XLA may take the card, not 75% of it
     runner, cfg = roomy.runner, roomy.cfg
     assert cfg.dtype == "bfloat16" and runner.kv_cache[0].dtype.name == "bfloat16"
     step_bytes = int(0.9 * 256 * 2**20) - runner.device_weight_bytes - cfg.kv_cache_memory_bytes
@@ -171,3 +174,9 @@ def test_no_flags_on_a_described_gpu_size_the_pool_from_its_memory(tiny_model_di
     while tight.has_unfinished:
         tight.step()
     assert tight.num_compilations_since_warmup == 0
+
+
+def test_a_users_xla_memory_fraction_is_kept(monkeypatch):
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    device_defaults.let_xla_take_the_gpu()
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"

@@ -80,3 +80,34 @@ def test_the_flag_parses():
     assert engine_config_from_args(build_parser().parse_args(["serve"])).load_format == "auto"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--load-format", "pt"])
+
+
+def test_the_engine_frees_the_drawn_weights_before_sizing_the_pool(config_only_dir, monkeypatch):
+    """On a GPU the drawn params live on the device: once the runner has its serving layout, it deletes
+    them, and the pool is sized without counting them (they used to take the weights' memory twice).
+    This CPU stands in for the GPU by calling its arrays an accelerator's; greedy tokens are unchanged."""
+    from jaxserve import model_runner
+    from jaxserve.engine import LLMEngine
+
+    settings = dict(attention_backend="xla", matmul_backend="xla", max_model_len=32, max_num_seqs=2,
+                    max_num_batched_tokens=16, block_size=8, num_kv_pages=10)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def tokens(engine) -> list[int]:
+        request = engine.add_request([1, 2, 3], params)
+        while engine.has_unfinished:
+            engine.step()
+        return request.output_token_ids
+
+    kept = load_model(config_only_dir, "float32", load_format="dummy")
+    expected = tokens(LLMEngine(kept, EngineConfig(**settings)))
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(kept.params))  # a CPU's arrays stay
+
+    monkeypatch.setattr(model_runner, "_on_accelerator", lambda x: isinstance(x, jax.Array))
+    loaded = load_model(config_only_dir, "float32", load_format="dummy")
+    engine = LLMEngine(loaded, EngineConfig(**settings))
+    served = {id(leaf) for leaf in jax.tree.leaves(engine.runner.params)}
+    drawn = [leaf for leaf in jax.tree.leaves(loaded.params) if id(leaf) not in served]
+    assert drawn and all(leaf.is_deleted() for leaf in drawn)
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(engine.runner.params))
+    assert tokens(engine) == expected
