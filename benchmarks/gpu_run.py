@@ -89,6 +89,13 @@ class Context:
         self.smoke = args.smoke
         self.workdir = Path(args.workdir)
         self.tokenizer = Path(args.tokenizer)
+        self.section = args.section
+
+    def save(self, result: dict) -> None:
+        """The section's results so far: a section stopped by its time box still reports what it measured."""
+        path = self.workdir / f"{self.section}.json"
+        path.with_suffix(".part").write_text(json.dumps(result, indent=2, default=str))
+        path.with_suffix(".part").replace(path)
 
     def shape(self, name: str) -> str:
         return "tiny" if self.smoke else name
@@ -181,6 +188,7 @@ def section_kernels(ctx: Context) -> dict:
                                                            if "tflops" in r else
                                                            f"{r['share_of_copy_floor']:.0%} of the copy floor"))
         results.append(r)
+        ctx.save({"cases": results, "interpreted": interpret})
     return {"cases": results, "interpreted": interpret}
 
 
@@ -197,10 +205,11 @@ def section_step(ctx: Context) -> dict:
               "attention_backend": engine.runner.attention_backend, "steps": []}
     log(f"warm-up: {llm.warmup_summary['num_executables']} executables in {llm.warmup_summary['seconds']:.1f} s "
         f"({llm.warmup_summary['num_cache_hits']} from the cache); {result['num_pages']} KV pages")
+    ctx.save(result)
     rng = np.random.default_rng(0)
     for context in contexts:
         for batch in batches:
-            if batch * engine.pool.pages_needed([], context + decode_steps) > engine.pool.num_free_pages:
+            if batch * engine.pool.pages_needed([], context + decode_steps) > result["num_pages"]:
                 result["steps"].append({"batch": batch, "context": context, "error": "the KV pool is too small"})
                 continue
             for async_scheduling in (False, True):
@@ -214,9 +223,11 @@ def section_step(ctx: Context) -> dict:
                       "mbu": floor_ms / r["step_ms"],
                       "mfu": costs["flops"] / (r["step_ms"] / 1e3) / ceilings["matmul_flops_per_s"]}
                 result["steps"].append(r)
+                ctx.save(result)
+                phases = ", ".join(f"{k} {v:.2f}" for k, v in r["phase_ms"].items())
                 log(f"B={batch} ctx={context} async={'on' if async_scheduling else 'off'}: step {r['step_ms']:.2f} ms "
                     f"(device {r['device_ms']:.2f}, busy {r['device_busy']:.0%}, floor {floor_ms:.2f}, host "
-                    f"{r['host_ms']:.2f})")
+                    f"{r['host_ms']:.2f}: {phases})")
     # Offline throughput: 256 prompts of 32..512 random tokens, 128 greedy tokens each, EOS ignored
     count, out_len, (lo, hi) = (16, 8, (8, 40)) if ctx.smoke else (256, 128, (32, 512))
     prompts = [{"prompt_token_ids": random_prompts(rng, 1, int(n))[0]} for n in rng.integers(lo, hi + 1, count)]
@@ -243,6 +254,7 @@ def section_parity(ctx: Context) -> dict:
     import transformers
     from jaxserve import LLM, SamplingParams
 
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.5"  # torch's model and activations share the GPU
     shape = ctx.shape("parity")
     path = ctx.workdir / "parity-hf"
     config = BASE_CONFIG | SHAPES[shape]
@@ -264,8 +276,10 @@ def section_parity(ctx: Context) -> dict:
                               output_scores=True, return_dict_in_generate=True, pad_token_id=0)
         hf_tokens = out.sequences[:, prompt_len:].tolist()
         hf_logprobs = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1)  # [N, T, V]
+        # Two executables: every prompt in one step of 512 tokens, every decode step of num_prompts rows; a
+        # small pool, as the next dtype's engine may come while this one's pages linger
         llm = LLM(str(path), dtype=dtype, max_num_seqs=num_prompts, max_num_batched_tokens=512, max_model_len=128,
-                  num_kv_pages=256)  # small: the next dtype's engine comes while this one's pages may linger
+                  num_kv_pages=256, min_prefill_bucket=512, min_decode_bucket=num_prompts)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, logprobs=0),
                             use_tqdm=False)
@@ -285,6 +299,7 @@ def section_parity(ctx: Context) -> dict:
         equal = sum(r["equal"] for r in rows)
         result[dtype] = {"equal_prompts": equal, "max_logprob_diff_on_agreed_tokens": max_logprob_diff,
                          "rows": rows, "attention_backend": llm.engine.runner.attention_backend}
+        ctx.save(result)
         log(f"{dtype}: greedy tokens equal on {equal}/{num_prompts} prompts, chosen-token logprobs within "
             f"{max_logprob_diff:.2e} of HF's ({llm.engine.runner.attention_backend} attention)")
         del llm
@@ -303,6 +318,7 @@ def section_llama8b(ctx: Context) -> dict:
               "max_num_batched_tokens": engine.cfg.max_num_batched_tokens, "max_model_len": engine.cfg.max_model_len,
               "num_pages": engine.runner.num_pages - 1, "kv_cache_bytes": engine.runner.kv_cache_bytes,
               "weight_bytes": engine.runner.device_weight_bytes, "dtype": engine.cfg.dtype, "steps": []}
+    ctx.save(result)
     log(f"defaults: {result['max_num_seqs']} seqs, {result['max_num_batched_tokens']} tokens per step, "
         f"max_model_len {result['max_model_len']}, {result['num_pages']} pages; warm-up "
         f"{llm.warmup_summary['seconds']:.1f} s")
@@ -313,6 +329,7 @@ def section_llama8b(ctx: Context) -> dict:
                           device_repeats=8)
         engine.pool.reset_prefix_cache()
         result["steps"].append(r | {"batch": batch})
+        ctx.save(result)
         log(f"B={batch}: step {r['step_ms']:.2f} ms, device {r['device_ms']:.2f} ms")
     prompt_len = 200 if ctx.smoke else 4096
     ttfts = []
@@ -482,9 +499,11 @@ def run_section(name: str, args: argparse.Namespace, timeout: float, log_file) -
     reader.join(timeout=5)
     seconds = time.perf_counter() - start
     path = Path(args.workdir) / f"{name}.json"
-    if error is None and path.exists():
-        return {"seconds": seconds, "result": json.loads(path.read_text())}
-    return {"seconds": seconds, "error": error or "wrote no result", "log_tail": "".join(tail[-20:])}
+    result = json.loads(path.read_text()) if path.exists() else None
+    if error is None and result is not None:
+        return {"seconds": seconds, "result": result}
+    entry = {"seconds": seconds, "error": error or "wrote no result", "log_tail": "".join(tail[-20:])}
+    return entry | ({"partial": result} if result is not None else {})
 
 
 def machine(commit: str) -> dict:
@@ -507,58 +526,79 @@ def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
-def summary_rows(sections: dict) -> list[tuple[str, str]]:
-    """The short table: the figures the issue's acceptance names, or each section's error."""
+def _ceilings_rows(c: dict) -> list:
+    return [("ceilings", f"copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
+                         f"{c['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")]
+
+
+def _kernels_rows(k: dict) -> list:
     rows = []
+    for r in k["cases"]:
+        figure = (f"{r['tflops']:.0f} TFLOP/s = {r['share_of_matmul']:.0%} of matmul" if "tflops" in r else
+                  f"{r['share_of_copy_floor']:.0%} of the copy floor")
+        rows.append((f"kernel {r['case']}", f"{r['pallas_ms']:.3f} ms ({figure}); XLA {r['xla_ms']:.2f} ms"))
+    return rows
 
-    def get(name):
-        entry = sections.get(name, {})
-        if "error" in entry:
-            rows.append((name, f"ERROR: {entry['error']}"))
-        return entry.get("result")
 
-    if c := get("ceilings"):
-        rows.append(("ceilings", f"copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
-                                 f"{c['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s"))
-    if k := get("kernels"):
-        for r in k["cases"]:
-            figure = (f"{r['tflops']:.0f} TFLOP/s = {r['share_of_matmul']:.0%} of matmul" if "tflops" in r else
-                      f"{r['share_of_copy_floor']:.0%} of the copy floor")
-            rows.append((f"kernel {r['case']}", f"{r['pallas_ms']:.3f} ms ({figure}); XLA {r['xla_ms']:.2f} ms"))
-    if s := get("step"):
-        for r in s["steps"]:
-            if "error" in r:
-                rows.append((f"step B={r['batch']} ctx {r['context']}", r["error"]))
-                continue
-            rows.append((f"step B={r['batch']} ctx {r['context']} async {'on' if r['async_scheduling'] else 'off'}",
-                         f"{r['step_ms']:.2f} ms, device {r['device_ms']:.2f}, busy {r['device_busy']:.0%}, "
-                         f"{r['step_over_floor']:.1f}x floor {r['floor_ms']:.2f}"))
-        o = s["offline"]
+def _step_rows(s: dict) -> list:
+    rows = []
+    for r in s["steps"]:
+        if "error" in r:
+            rows.append((f"step B={r['batch']} ctx {r['context']}", r["error"]))
+            continue
+        rows.append((f"step B={r['batch']} ctx {r['context']} async {'on' if r['async_scheduling'] else 'off'}",
+                     f"{r['step_ms']:.2f} ms, device {r['device_ms']:.2f}, busy {r['device_busy']:.0%}, host "
+                     f"{r['host_ms']:.2f}, {r['step_over_floor']:.1f}x floor {r['floor_ms']:.2f}"))
+    if o := s.get("offline"):
         rows.append(("offline 1.7B shape", f"{o['output_tok_s']:.0f} output tok/s ({o['output_tokens']} tokens, "
                                            f"{o['seconds']:.1f} s); compiles after warm-up "
                                            f"{s['compilations_since_warmup']}"))
-    if p := get("parity"):
-        for dtype in ("float32", "bfloat16"):
-            if dtype in p:
-                d = p[dtype]
-                rows.append((f"parity {dtype}", f"{d['equal_prompts']}/{p['num_prompts']} prompts equal, logprobs "
-                                                f"within {d['max_logprob_diff_on_agreed_tokens']:.1e}"))
-    if e := get("llama8b"):
-        steps = ", ".join(f"B={r['batch']} {r['step_ms']:.2f} ms" for r in e["steps"])
-        rows.append(("8B shape, no flags", f"{steps}; TTFT {_fmt(min(e['ttft_ms']), '.0f')} ms; "
-                                           f"{e['num_pages']} pages"))
-    if g := get("server"):
-        rows.append(("server c64", f"{g['c64']['output_throughput']:.0f} out tok/s, TTFT p50 "
-                                   f"{_fmt(g['c64'].get('median_ttft_ms'), '.0f')} ms, ITL p50 "
-                                   f"{_fmt(g['c64'].get('median_itl_ms'))} ms; compiles "
-                                   f"{g.get('compilations_since_warmup')}"))
-        rows.append(("server c32 JSON half / none", f"{g['c32_json_0.5']['output_throughput']:.0f} / "
-                                                    f"{g['c32_json_0']['output_throughput']:.0f} out tok/s"))
-        rows.append(("server grounded c1", f"{g['grounded_c1']['output_throughput']:.0f} out tok/s"))
-    if ng := get("ngram"):
-        rows.append(("ngram grounded c1", f"{ng['grounded_c1']['output_throughput']:.0f} out tok/s"))
-    if t := get("pytest"):
-        rows.append(("pytest", f"rc {t['returncode']}: {t['summary']}"))
+    return rows
+
+
+def _parity_rows(p: dict) -> list:
+    return [(f"parity {dtype}", f"{p[dtype]['equal_prompts']}/{p['num_prompts']} prompts equal, logprobs within "
+                                f"{p[dtype]['max_logprob_diff_on_agreed_tokens']:.1e}")
+            for dtype in ("float32", "bfloat16") if dtype in p]
+
+
+def _llama8b_rows(e: dict) -> list:
+    plan = (f"{e['num_pages']} pages ({e['kv_cache_bytes'] / 2**30:.1f} GiB) beside "
+            f"{e['weight_bytes'] / 2**30:.1f} GiB of weights")
+    steps = ", ".join(f"B={r['batch']} {r['step_ms']:.2f} ms" for r in e["steps"])
+    ttft = f"; TTFT {min(e['ttft_ms']):.0f} ms" if "ttft_ms" in e else ""
+    return [("8B shape, no flags", f"{plan}; {steps}{ttft}")]
+
+
+def _server_rows(g: dict) -> list:
+    c64 = g["c64"]
+    return [("server c64", f"{c64['output_throughput']:.0f} out tok/s, TTFT p50 {_fmt(c64.get('median_ttft_ms'), '.0f')}"
+                           f" ms, ITL p50 {_fmt(c64.get('median_itl_ms'))} ms; compiles {g.get('compilations_since_warmup')}"),
+            ("server c32 JSON half / none", f"{g['c32_json_0.5']['output_throughput']:.0f} / "
+                                            f"{g['c32_json_0']['output_throughput']:.0f} out tok/s"),
+            ("server grounded c1", f"{g['grounded_c1']['output_throughput']:.0f} out tok/s")]
+
+
+SUMMARIES = {"ceilings": _ceilings_rows, "kernels": _kernels_rows, "step": _step_rows, "parity": _parity_rows,
+             "llama8b": _llama8b_rows, "server": _server_rows,
+             "ngram": lambda g: [("ngram grounded c1", f"{g['grounded_c1']['output_throughput']:.0f} out tok/s")],
+             "pytest": lambda t: [("pytest", f"rc {t['returncode']}: {t['summary']}")]}
+
+
+def summary_rows(sections: dict) -> list[tuple[str, str]]:
+    """The short table: the figures the issue's acceptance names, each section's error, and what a
+    section that was stopped had measured."""
+    rows = []
+    for name, entry in sections.items():
+        if "error" in entry:
+            rows.append((name, f"ERROR: {entry['error']}" + ("; what it measured:" if "partial" in entry else "")))
+        result = entry.get("result", entry.get("partial"))
+        if result is None:
+            continue
+        try:
+            rows += SUMMARIES[name](result)
+        except (KeyError, ValueError):  # a stopped section's results end where it stopped
+            rows.append((name, "(incomplete)"))
     return rows
 
 
