@@ -192,10 +192,31 @@ def section_kernels(ctx: Context) -> dict:
     return {"cases": results, "interpreted": interpret}
 
 
+def _offline(ctx: Context, llm, rng, result: dict) -> None:
+    """Offline throughput: 256 prompts of 32..512 random tokens, 128 greedy tokens each, EOS ignored."""
+    from jaxserve import SamplingParams
+
+    engine = llm.engine
+    count, out_len, (lo, hi) = (16, 8, (8, 40)) if ctx.smoke else (256, 128, (32, 512))
+    prompts = [{"prompt_token_ids": random_prompts(rng, 1, int(n))[0]} for n in rng.integers(lo, hi + 1, count)]
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    steps = engine.num_steps
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    result["offline"] = {"num_prompts": count, "input_tokens": sum(len(o.prompt_token_ids) for o in outputs),
+                         "output_tokens": num_out, "seconds": seconds, "output_tok_s": num_out / seconds,
+                         "num_steps": engine.num_steps - steps}
+    result["compilations_since_warmup"] = engine.num_compilations_since_warmup
+    log(f"offline: {num_out} tokens in {seconds:.2f} s = {num_out / seconds:.0f} output tok/s; "
+        f"{result['compilations_since_warmup']} compilations after warm-up")
+    ctx.save(result)
+
+
 def section_step(ctx: Context) -> dict:
     import numpy as np
     from bench_steps import engine_phases
-    from jaxserve import SamplingParams
 
     ceilings = ctx.ceilings()
     batches, contexts, decode_steps = ((1, 4), (20,), 6) if ctx.smoke else ((1, 32, 128), (300, 2000), 32)
@@ -207,7 +228,9 @@ def section_step(ctx: Context) -> dict:
         f"({llm.warmup_summary['num_cache_hits']} from the cache); {result['num_pages']} KV pages")
     ctx.save(result)
     rng = np.random.default_rng(0)
-    for context in contexts:
+    for i, context in enumerate(contexts):
+        if i == 1:  # before the long contexts, which a time box may cut
+            _offline(ctx, llm, rng, result)
         for batch in batches:
             if batch * engine.pool.pages_needed([], context + decode_steps) > result["num_pages"]:
                 result["steps"].append({"batch": batch, "context": context, "error": "the KV pool is too small"})
@@ -228,21 +251,8 @@ def section_step(ctx: Context) -> dict:
                 log(f"B={batch} ctx={context} async={'on' if async_scheduling else 'off'}: step {r['step_ms']:.2f} ms "
                     f"(device {r['device_ms']:.2f}, busy {r['device_busy']:.0%}, floor {floor_ms:.2f}, host "
                     f"{r['host_ms']:.2f}: {phases})")
-    # Offline throughput: 256 prompts of 32..512 random tokens, 128 greedy tokens each, EOS ignored
-    count, out_len, (lo, hi) = (16, 8, (8, 40)) if ctx.smoke else (256, 128, (32, 512))
-    prompts = [{"prompt_token_ids": random_prompts(rng, 1, int(n))[0]} for n in rng.integers(lo, hi + 1, count)]
-    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-    steps = engine.num_steps
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
-    result["offline"] = {"num_prompts": count, "input_tokens": sum(len(o.prompt_token_ids) for o in outputs),
-                         "output_tokens": num_out, "seconds": seconds, "output_tok_s": num_out / seconds,
-                         "num_steps": engine.num_steps - steps}
-    result["compilations_since_warmup"] = engine.num_compilations_since_warmup
-    log(f"offline: {num_out} tokens in {seconds:.2f} s = {num_out / seconds:.0f} output tok/s; "
-        f"{result['compilations_since_warmup']} compilations after warm-up")
+    if len(contexts) == 1:
+        _offline(ctx, llm, rng, result)
     return result
 
 
@@ -459,9 +469,9 @@ def section_pytest(ctx: Context) -> dict:
 SECTIONS = {  # name: (function, time box in seconds on an H100)
     "ceilings": (section_ceilings, 25),
     "kernels": (section_kernels, 45),
-    "step": (section_step, 150),
-    "parity": (section_parity, 60),
-    "llama8b": (section_llama8b, 120),
+    "step": (section_step, 140),
+    "parity": (section_parity, 70),
+    "llama8b": (section_llama8b, 140),
     "server": (section_server, 150),
     "ngram": (section_ngram, 90),
     "pytest": (section_pytest, 120),
@@ -625,6 +635,8 @@ def main(argv=None) -> int:
     parser.add_argument("--deadline-s", type=float, default=None, help="the whole run's limit (default 450; smoke 900)")
     parser.add_argument("--only", nargs="+", choices=list(SECTIONS), default=None)
     parser.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER))
+    parser.add_argument("--ceilings-from", default=None, metavar="RESULTS_JSON",
+                        help="skip measuring the ceilings: take them from an earlier run's results.json (same card)")
     parser.add_argument("--section", choices=list(SECTIONS), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -654,6 +666,10 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gpu-run-") as workdir, open(out / "log.txt", "w") as log_file:
         args.workdir = workdir
+        if args.ceilings_from:
+            earlier = json.loads(Path(args.ceilings_from).read_text())
+            sections["ceilings"] = earlier["sections"]["ceilings"] | {"from": args.ceilings_from}
+            Path(workdir, "ceilings.json").write_text(json.dumps(sections["ceilings"]["result"]))
         os.environ["JAXSERVE_COMPILATION_CACHE"] = str(Path(workdir) / "xla")  # shared by the sections
         for name in args.only or list(SECTIONS):
             remaining = deadline - (time.perf_counter() - START)
