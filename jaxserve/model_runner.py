@@ -156,7 +156,8 @@ class ModelRunner:
         self.inputs = StepInputBuilder(model_cfg, engine_cfg)
         if engine_cfg.kv_cache_memory_bytes is None and engine_cfg.num_kv_pages is None:
             # The loader's copy of the weights is alive while the pool is allocated (its owner drops it later).
-            loader_bytes = sum(x.nbytes for x in jax.tree.leaves(params) if _on_accelerator(x) and not x.is_deleted())
+            loader_bytes = sum(x.nbytes for x in jax.tree.leaves(params)
+                               if isinstance(x, jax.Array) and not x.is_deleted() and _on_accelerator(x))
             memory = MemoryUse(self.device_weight_bytes + loader_bytes, self._step_bytes())
             engine_cfg, self.defaults = device_defaults.resolve(requested, self.device_cfg, self.device, memory)
             self.cfg = engine_cfg
