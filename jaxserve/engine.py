@@ -75,10 +75,10 @@ class LLMEngine:
     def __init__(self, model: LoadedModel, cfg: EngineConfig):
         self.model_cfg = model.config
         self.tokenizer = model.tokenizer
-        self.runner = ModelRunner(self.model_cfg, cfg, model.params, release_params=True)
+        self.runner = ModelRunner(self.model_cfg, cfg, model.params, draw=model.draw)
         self.cfg = cfg = self.runner.cfg  # every setting a number: those left unset chosen for the device
         self.leader: multihost.Leader | None = None  # set by from_config on a multi-host group's rank 0
-        self.model = dataclasses.replace(model, params=None)  # the runner holds them, in its own layout
+        self.model = dataclasses.replace(model, params=None, draw=None)  # the runner holds them, in its own layout
         self.pool = PagePool(self.runner.num_pages, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.pool, self.runner.prefill_buckets)
         self.requests: dict[str, Request] = {}

@@ -95,17 +95,12 @@ def _batch_step(params, kv_cache, state: BatchState, inputs: StepInputs, *, step
     return sampled, kv_cache, state
 
 
-def _on_accelerator(x) -> bool:
-    return isinstance(x, jax.Array) and any(d.platform != "cpu" for d in x.devices())
-
-
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, params, platform: str | None = None,
-                 release_params: bool = False):
+                 draw: Callable[[], dict] | None = None):
         """platform: resolve the attention backend and the unset settings for "gpu"/"cpu" instead of this
-        machine (check-lowering). release_params: `params` are the runner's to free: once converted to the
-        serving layout, their accelerator copies are deleted before the KV pool is sized (random weights
-        drawn on a GPU would otherwise hold the weights' memory twice while the pool takes what is left)."""
+        machine (check-lowering). draw: params not made yet (`LoadedModel.draw`; `params` are their shapes),
+        drawn in the serving layout on the device."""
         requested = engine_cfg
         self.model_cfg = model_cfg
         tp = engine_cfg.tensor_parallel_size
@@ -122,13 +117,7 @@ class ModelRunner:
                                                            platform)
         self.matmul_backend = resolve_matmul_backend(engine_cfg.matmul_backend, engine_cfg, platform)
         self.attention_backend = paired_attention_backend(self.attention_backend, self.matmul_backend)
-        self.params = self._serving_params(params)
-        if release_params:
-            jax.block_until_ready(self.params)
-            kept = {id(leaf) for leaf in jax.tree.leaves(self.params)}  # jit hands back unchanged inputs as they are
-            for leaf in jax.tree.leaves(params):
-                if _on_accelerator(leaf) and id(leaf) not in kept:
-                    leaf.delete()
+        self.params = self._serving_params(params, draw)
         # What this process read of LazyTensor params (its devices' slices) out of the whole model's bytes
         self.weight_bytes_read, self.weight_bytes_total = lazy.bytes_read(params), lazy.total_bytes(params)
         # What each device holds (all of it on one device): weights with rope tables and replicated norms
@@ -157,7 +146,7 @@ class ModelRunner:
         if engine_cfg.kv_cache_memory_bytes is None and engine_cfg.num_kv_pages is None:
             # The loader's copy of the weights is alive while the pool is allocated (its owner drops it later).
             loader_bytes = sum(x.nbytes for x in jax.tree.leaves(params)
-                               if isinstance(x, jax.Array) and not x.is_deleted() and _on_accelerator(x))
+                               if isinstance(x, jax.Array) and any(d.platform != "cpu" for d in x.devices()))
             memory = MemoryUse(self.device_weight_bytes + loader_bytes, self._step_bytes())
             engine_cfg, self.defaults = device_defaults.resolve(requested, self.device_cfg, self.device, memory)
             self.cfg = engine_cfg
@@ -174,7 +163,7 @@ class ModelRunner:
         if self.parallel:
             logger.info("tensor parallel over %d devices: %s", tp, self.parallel.describe())
 
-    def _serving_params(self, params):
+    def _serving_params(self, params, draw: Callable[[], dict] | None = None):
         """forward's layout (per-layer arrays, fused projections; packed for the C++ matmul when
         matmul_backend is "cpu" or "cpu-bf16"), with the rope tables of every position up to max_model_len. On a CPU
         the arrays are sliced as zero-copy numpy views and copied once (a jitted conversion took 3.5-4 s
@@ -187,6 +176,8 @@ class ModelRunner:
         rope = functools.partial(rope_position_tables, self.model_cfg, self.cfg.max_model_len)
         if self.parallel:
             return self.parallel.place_params(params, to_serving, rope)
+        if draw is not None:  # random weights: drawn and converted in one jit, one copy on the device
+            return jax.jit(lambda: to_serving(draw()))() | rope()
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
             return jax.eval_shape(to_serving, params) | jax.eval_shape(rope)
         on_host = [isinstance(x, lazy.LazyTensor) or all(d.platform == "cpu" for d in x.devices()) for x in leaves]

@@ -26,20 +26,23 @@ def config_only_dir(tmp_path_factory):
 
 
 def test_dummy_params_have_the_layout_and_are_finite(config_only_dir):
+    """The loaded model holds shapes and a draw function; drawn, the params are the layout's, finite."""
     loaded = load_model(config_only_dir, "bfloat16", load_format="dummy")
-    shapes = jax.tree.map(lambda x: x.shape, loaded.params)
-    assert shapes == jax.tree.map(tuple, param_shapes(loaded.config), is_leaf=lambda x: isinstance(x, tuple))
-    assert "lm_head" in loaded.params  # untied: every kind of leaf is drawn
-    for leaf in jax.tree.leaves(loaded.params):
+    layout = jax.tree.map(tuple, param_shapes(loaded.config), is_leaf=lambda x: isinstance(x, tuple))
+    assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(loaded.params))
+    params = jax.jit(loaded.draw)()
+    assert jax.tree.map(lambda x: x.shape, params) == jax.tree.map(lambda x: x.shape, loaded.params) == layout
+    assert "lm_head" in params  # untied: every kind of leaf is drawn
+    for leaf in jax.tree.leaves(params):
         assert isinstance(leaf, jax.Array) and leaf.dtype == jnp.bfloat16 and bool(jnp.isfinite(leaf).all())
-    assert bool((loaded.params["final_norm"] == 1).all())
-    assert 0.01 < float(jnp.std(loaded.params["layers"]["wq"].astype(jnp.float32))) < 0.03
+    assert bool((params["final_norm"] == 1).all())
+    assert 0.01 < float(jnp.std(params["layers"]["wq"].astype(jnp.float32))) < 0.03
     assert "random weights" in loaded.source
 
 
 def test_the_same_seed_gives_the_same_params(config_only_dir):
     """Benchmarks must be repeatable: the seed alone decides the weights."""
-    first, again, other = (load_model(config_only_dir, "float32", load_format="dummy", seed=seed).params
+    first, again, other = (jax.jit(load_model(config_only_dir, "float32", load_format="dummy", seed=seed).draw)()
                            for seed in (3, 3, 4))
     assert all(bool((a == b).all()) for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)))
     assert not bool((first["layers"]["wq"] == other["layers"]["wq"]).all())
@@ -82,12 +85,12 @@ def test_the_flag_parses():
         build_parser().parse_args(["serve", "--load-format", "pt"])
 
 
-def test_the_engine_frees_the_drawn_weights_before_sizing_the_pool(config_only_dir, monkeypatch):
-    """On a GPU the drawn params live on the device: once the runner has its serving layout, it deletes
-    them, and the pool is sized without counting them (they used to take the weights' memory twice).
-    This CPU stands in for the GPU by calling its arrays an accelerator's; greedy tokens are unchanged."""
-    from jaxserve import model_runner
+def test_the_runner_draws_the_weights_in_its_own_layout(config_only_dir):
+    """No copy of the weights but the runner's ever exists: on an H100 a freed loader copy of the 8B shape
+    left a hole that split the memory the KV pool needs whole. The runner's weights are the drawn ones,
+    converted: the engine's greedy tokens equal those of the same draw loaded as plain arrays."""
     from jaxserve.engine import LLMEngine
+    from jaxserve.weights import LoadedModel
 
     settings = dict(attention_backend="xla", matmul_backend="xla", max_model_len=32, max_num_seqs=2,
                     max_num_batched_tokens=16, block_size=8, num_kv_pages=10)
@@ -99,15 +102,9 @@ def test_the_engine_frees_the_drawn_weights_before_sizing_the_pool(config_only_d
             engine.step()
         return request.output_token_ids
 
-    kept = load_model(config_only_dir, "float32", load_format="dummy")
-    expected = tokens(LLMEngine(kept, EngineConfig(**settings)))
-    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(kept.params))  # a CPU's arrays stay
-
-    monkeypatch.setattr(model_runner, "_on_accelerator", lambda x: isinstance(x, jax.Array))
-    loaded = load_model(config_only_dir, "float32", load_format="dummy")
+    loaded = load_model(config_only_dir, "float32", load_format="dummy", seed=5)
+    drawn = jax.jit(loaded.draw)()
+    plain = LoadedModel(loaded.config, drawn, loaded.tokenizer, "the same draw, as arrays")
     engine = LLMEngine(loaded, EngineConfig(**settings))
-    served = {id(leaf) for leaf in jax.tree.leaves(engine.runner.params)}
-    drawn = [leaf for leaf in jax.tree.leaves(loaded.params) if id(leaf) not in served]
-    assert drawn and all(leaf.is_deleted() for leaf in drawn)
-    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(engine.runner.params))
-    assert tokens(engine) == expected
+    assert engine.model.params is None and engine.model.draw is None  # nothing kept beside the runner's
+    assert tokens(engine) == tokens(LLMEngine(plain, EngineConfig(**settings)))

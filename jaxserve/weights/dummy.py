@@ -1,9 +1,12 @@
 """`load_format="dummy"` (vLLM's `--load-format dummy`): a model's shape with random weights, no weight file.
 
 For benchmarking a shape (an 8B model on a GPU) from a directory holding only its config.json and
-tokenizer, without writing or reading gigabytes of weights. The params are drawn inside one jitted
-function, so they are made on the default device directly and the host never holds the model. The
-outputs are meaningless; the engine's start-up line says the weights are random.
+tokenizer, without writing or reading gigabytes of weights. The loaded model holds the params' shapes
+and a `draw` function: the model runner draws them inside the jitted conversion to its serving layout,
+so they are made on the device directly, the host never holds the model, and the device never holds a
+second copy (on an H100 the 8B shape's freed loader copy left a hole that split the memory the KV pool
+needs whole: out of memory with 60 GiB free). The outputs are meaningless; the engine's start-up line
+says the weights are random.
 """
 
 from __future__ import annotations
@@ -50,5 +53,6 @@ def load_dummy(path: Path, dtype: str, seed: int = 0) -> LoadedModel:
         raise ModelLoadError(f"--load-format dummy needs a Hugging Face model directory with config.json; "
                              f"{str(path)!r} is not one")
     cfg = hf_dir_config(path)
-    params = dummy_params(jax.random.key(seed), cfg, dtype)
-    return LoadedModel(cfg, params, load_tokenizer_dir(path), f"{path} with random weights (load_format='dummy')")
+    draw = functools.partial(dummy_params, jax.random.key(seed), cfg, dtype)
+    return LoadedModel(cfg, jax.eval_shape(draw), load_tokenizer_dir(path),
+                       f"{path} with random weights (load_format='dummy')", draw=draw)

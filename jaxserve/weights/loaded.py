@@ -7,6 +7,7 @@ Both of jaxserve's own formats, the orbax checkpoint (`orbax.py`) and the conver
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from jaxserve.config import ModelConfig, RopeConfig
 
@@ -16,9 +17,12 @@ CHECKPOINT_MARKER = "jaxserve_model.json"
 @dataclasses.dataclass
 class LoadedModel:
     config: ModelConfig
-    params: dict  # the pytree of `models/params.py`
+    params: dict  # the pytree of `models/params.py` (ShapeDtypeStructs when `draw` makes them)
     tokenizer: object
     source: str
+    # Random weights not made yet (load_format="dummy"): a traceable () -> params, which the model runner
+    # calls inside its own conversion to the serving layout, so the device holds one copy of the weights
+    draw: Callable[[], dict] | None = None
 
 
 def config_from_dict(fields: dict) -> ModelConfig:
