@@ -64,13 +64,18 @@ def log(message: str) -> None:
 def engine_phases(engine, prompts: np.ndarray, decode_steps: int, async_scheduling: bool,
                   device_repeats: int) -> dict:
     """The engine's loop over B requests (prompts [B, P]), decode steps only: per step, ms in each
-    phase, the step's wall ms, and the device's ms for one step (see the module docstring)."""
+    phase, the step's wall ms, and the device's ms for one step (see the module docstring).
+
+    The prompts may take several steps (max_num_batched_tokens), and the first ones start decoding while
+    the others are still prompts: so every request may generate until all B have their first token, then
+    exactly `decode_steps` steps are timed, each with all B decoding, and the requests are aborted."""
     from jaxserve.engine import STEP_PHASES
     from jaxserve.sampling import SamplingParams
 
     runner = engine.runner
     engine.async_scheduling = async_scheduling
-    params = SamplingParams(temperature=0.0, max_tokens=decode_steps, ignore_eos=True)
+    prompt_steps = -(-prompts.size // engine.cfg.max_num_batched_tokens) + 2
+    params = SamplingParams(temperature=0.0, max_tokens=prompt_steps + decode_steps + 2, ignore_eos=True)
     requests = [engine.add_request(p.tolist(), params) for p in prompts]
     while not all(r.output_token_ids for r in requests):  # the prompts, and their first tokens read
         engine.step()
@@ -85,12 +90,16 @@ def engine_phases(engine, prompts: np.ndarray, decode_steps: int, async_scheduli
     runner.launch = recording_launch
     phases, steps, start = dict(engine.phase_seconds), engine.num_steps, time.perf_counter()
     try:
-        while engine.has_unfinished:
+        for _ in range(decode_steps):
             engine.step()
     finally:
         del runner.launch
     wall, steps = time.perf_counter() - start, engine.num_steps - steps
-    assert steps > 0
+    assert steps > 0 and not any(r.status.is_finished for r in requests), "a request ended inside the timed steps"
+    for request in requests:
+        engine.abort_request(request.request_id)
+    while engine.has_unfinished:
+        engine.step()
     # The device's time for one step of the executable most of these steps ran, alone: back to back,
     # waited for once. (Its inputs' K/V rewrite freed pages: callers drop the prefix cache after, so
     # nothing reads them; row updates are left out, as most steps have none.)
