@@ -68,7 +68,7 @@ SHAPES = {
                        tie_word_embeddings=False, max_position_embeddings=8192),
     # parity: Llama-3's attention layout (GQA 4, head_dim 64) at a size saved and reloaded in seconds
     "parity": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-                   num_key_value_heads=4, head_dim=64, initializer_range=0.1),
+                   num_key_value_heads=4, head_dim=64),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, initializer_range=0.1, max_position_embeddings=512),
 }
@@ -271,6 +271,12 @@ def section_parity(ctx: Context) -> dict:
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config),
                                                           dtype=torch.float32)
+    # A trained model's next token usually stands out; a random one's does not (its top two logprobs were
+    # within bf16's rounding of each other on an H100). Embeddings of std 0.25 (the LM head is tied to
+    # them) spread the logits (std ~8 at hidden 1024) so greedy choices stand out, without saturating the
+    # chosen tokens' logprobs, while every layer still decides which token wins.
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(0.25 / config.get("initializer_range", 0.02))
     model.save_pretrained(path)
     for item in ctx.tokenizer.iterdir():
         (path / item.name).write_bytes(item.read_bytes())

@@ -267,8 +267,13 @@ class ModelRunner:
         """Lowers one bucket's step function ("prefill" or "decode") for this machine or `platforms`."""
         fn = self._decode if kind == "decode" else self._prefill
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (self.params, self.kv_cache))
-        traced = fn.trace(*shapes, self._state_shapes(), self._input_shapes(kind, bucket))
-        return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
+        # float32 means float32: a GPU's default float32 dot is TF32 (10-bit mantissas), which changed greedy
+        # tokens against Hugging Face's float32 on an H100. A CPU computes float32 whatever the setting.
+        on_gpu = (platforms or (self.device.platform,))[0] in ("gpu", "cuda")
+        precision = "highest" if on_gpu and self.cfg.dtype == "float32" else None
+        with jax.default_matmul_precision(precision):
+            traced = fn.trace(*shapes, self._state_shapes(), self._input_shapes(kind, bucket))
+            return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
 
     def _state_shapes(self) -> BatchState:
         return BatchState(*jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.inputs.initial_state()))

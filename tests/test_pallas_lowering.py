@@ -241,3 +241,19 @@ def test_a_cpu_step_keeps_its_branches_and_dump_writes_every_module(tmp_path):
     text = (tmp_path / written[0]).read_text()
     assert "stablehlo.case" in text and "control flow outside kernels: stablehlo.case" in format_results(results, "cpu")
 
+
+
+@pytest.mark.parametrize("platform, dtype, highest", [("cuda", "float32", True), ("cuda", "bfloat16", False),
+                                                      ("cpu", "float32", False)])
+def test_float32_on_a_gpu_lowers_its_dots_at_full_precision(tmp_path, platform, dtype, highest):
+    """A GPU's default float32 dot is TF32: float32 steps lowered for CUDA ask for HIGHEST on every dot
+    (on an H100, TF32 changed greedy tokens against HF torch's float32); bfloat16 and the CPU's modules
+    are left as they were."""
+    engine = EngineConfig(dtype=dtype, attention_backend="xla", matmul_backend="xla", max_model_len=64,
+                          max_num_seqs=2, max_num_batched_tokens=16, num_kv_pages=16)
+    results = check_lowering(TINY_LLAMA, engine, platform=platform, dump_dir=tmp_path)
+    assert all(r.ok for r in results), format_results(results, platform)
+    for module in tmp_path.iterdir():
+        dots = [line for line in module.read_text().splitlines() if "stablehlo.dot_general" in line]
+        assert dots, module.name
+        assert all(("precision = [HIGHEST, HIGHEST]" in line) == highest for line in dots), (module.name, dots[0][:300])
