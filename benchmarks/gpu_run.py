@@ -177,7 +177,7 @@ def section_kernels(ctx: Context) -> dict:
         Case("decode", 256, 1, 2048, 32, 8, 128), Case("decode", 128, 1, 2048, 32, 32, 64)]
     results = []
     for i, case in enumerate(cases):
-        r = bench_kernels.run_case(case, seed=i, repeats=3 if ctx.smoke else 10, interpret=interpret)
+        r = bench_kernels.run_case(case, seed=i, repeats=1 if ctx.smoke else 10, interpret=interpret)
         if case.kind == "prefill":
             r["tflops"] = case.flops() / (r["pallas_ms"] / 1e3) / 1e12
             r["share_of_matmul"] = case.flops() / (r["pallas_ms"] / 1e3) / ceilings["matmul_flops_per_s"]
@@ -328,7 +328,9 @@ def section_llama8b(ctx: Context) -> dict:
     from bench_steps import engine_phases
     from jaxserve import SamplingParams
 
-    llm = engine_llm(ctx, ctx.shape("llama-3-8b"))  # no flags: the GPU's defaults choose everything
+    # No flags: the GPU's defaults choose everything (the smoke run takes the step section's small engine,
+    # whose executables it finds in the run's compilation cache)
+    llm = engine_llm(ctx, ctx.shape("llama-3-8b"), **(STEP_SETTINGS[True] if ctx.smoke else {}))
     engine = llm.engine
     result = {"warmup": llm.warmup_summary, "max_num_seqs": engine.cfg.max_num_seqs,
               "max_num_batched_tokens": engine.cfg.max_num_batched_tokens, "max_model_len": engine.cfg.max_model_len,
