@@ -92,5 +92,7 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     bf16 = _text_output(_cell(nb, "cpu-bf16"))
     assert "Paris" in bf16.split("cpu-bf16 answers:")[1] and "the same greedy tokens" in bf16, bf16
     assert "KV pages: bfloat16 | attention: cpu-bf16" in bf16, bf16
+    dummy = _text_output(_cell(nb, "dummy-weights"))
+    assert "'config.json'" in dummy and "safetensors" not in dummy and "8 tokens from random weights" in dummy, dummy
     split = _text_output(_cell(nb, "tensor-parallel"))
     assert "tensor parallel over 2 cpu devices" in split and "same text: True" in split
