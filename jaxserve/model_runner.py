@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import compilation, device_batch, device_defaults
+from jaxserve import compilation, device_batch, device_defaults, step_inputs
 from jaxserve.attention_backends import paired_attention_backend, resolve_attention_backend, resolve_matmul_backend
 from jaxserve.config import ModelConfig
 from jaxserve.device_defaults import DeviceInfo, MemoryUse
@@ -80,11 +80,13 @@ def _step(params, kv_cache, inputs: StepInputs, *, cfg: ModelConfig, q_tile: int
     return sample(logits, inputs.sampling, sampler_branches), kv_cache
 
 
-def _batch_step(params, kv_cache, state: BatchState, inputs: StepInputs, *, step: Callable):
+def _batch_step(params, kv_cache, state: BatchState, packed: tuple[jax.Array, jax.Array], *, step: Callable):
     """`step` over the persistent device batch (`device_batch.py`): each row's block table and sampling
     settings come from its slot, a token whose `prev_rows` entry is r >= 0 is the one row r of the
     previous step sampled (asynchronous scheduling: the host has not read it), and the sampled tokens
-    go back into the state. Returns (sampler output, kv_cache, state)."""
+    go back into the state. `packed`: the step's inputs as `step_inputs.pack` gives them. Returns
+    (sampler output, kv_cache, state)."""
+    inputs = step_inputs.unpack(*packed)
     token_ids = jnp.where(inputs.prev_rows >= 0, state.last_tokens[jnp.maximum(inputs.prev_rows, 0)],
                           inputs.token_ids)
     block_tables, rows = device_batch.gather(state, inputs.row_slots, inputs.md.kv_lens)
@@ -238,8 +240,8 @@ class ModelRunner:
 
     # -- compilation ------------------------------------------------------------------------------
 
-    def _input_shapes(self, kind: str, bucket: int) -> StepInputs:
-        return self.inputs.shapes(bucket, bucket if kind == "decode" else min(bucket, self.cfg.max_num_seqs))
+    def _input_shapes(self, kind: str, bucket: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+        return step_inputs.packed_shapes(bucket, bucket if kind == "decode" else min(bucket, self.cfg.max_num_seqs))
 
     def warmup(self, show_progress: bool = True) -> dict:
         """Compiles every bucket of both entry points once; returns a summary."""
@@ -318,7 +320,7 @@ class ModelRunner:
             writer = self._row_writers[len(inputs.row_updates.slots)]
             self.batch_state = writer(self.batch_state, inputs.row_updates)
         output, self.kv_cache, self.batch_state = self._executables[kind, bucket](
-            self.params, self.kv_cache, self.batch_state, inputs._replace(row_updates=None))
+            self.params, self.kv_cache, self.batch_state, step_inputs.pack(inputs))
         return output
 
     @staticmethod

@@ -66,6 +66,34 @@ class StepInputs(NamedTuple):
     row_updates: RowUpdates | None = None  # written before the step (not an input of its executable)
 
 
+def pack(inputs: StepInputs) -> tuple[np.ndarray, np.ndarray]:
+    """A step's nine small host arrays as the two its executable takes: per token [4, T] (token_ids,
+    positions, slot_mapping, prev_rows) and per sequence [5, S + 1] (cu_q_lens, then kv_lens,
+    logits_indices, row_slots, samples, each padded by one). On a GPU every host array an executable
+    takes is its own host-to-device copy; the H100's numpy inputs cost about 3 ms a step (11.6 against
+    8.7 ms per replay with the inputs already on the device)."""
+    md, num_seqs = inputs.md, len(inputs.md.kv_lens)
+    tokens = np.stack([inputs.token_ids, inputs.positions, md.slot_mapping, inputs.prev_rows]).astype(np.int32)
+    seqs = np.zeros((5, num_seqs + 1), np.int32)
+    seqs[0] = md.cu_q_lens
+    for row, values in enumerate((md.kv_lens, inputs.logits_indices, inputs.row_slots, inputs.samples), 1):
+        seqs[row, :num_seqs] = values
+    return tokens, seqs
+
+
+def unpack(tokens: jax.Array, seqs: jax.Array) -> StepInputs:
+    """`pack`'s inverse, inside the step (sampling and block tables come from the device batch)."""
+    num_seqs = seqs.shape[1] - 1
+    return StepInputs(token_ids=tokens[0], positions=tokens[1],
+                      md=AttentionMetadata(tokens[2], seqs[0], seqs[1, :num_seqs], None),
+                      logits_indices=seqs[2, :num_seqs], sampling=None, prev_rows=tokens[3],
+                      row_slots=seqs[3, :num_seqs], samples=seqs[4, :num_seqs] != 0)
+
+
+def packed_shapes(num_tokens: int, num_seqs: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    return jax.ShapeDtypeStruct((4, num_tokens), jnp.int32), jax.ShapeDtypeStruct((5, num_seqs + 1), jnp.int32)
+
+
 class StepInputBuilder:
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig):
         self.model_cfg, self.cfg = model_cfg, engine_cfg
