@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pallas_kernels as pk  # noqa: E402
 from pallas_kernels.common import COMPUTE_WARPGROUPS, ROWS, choose_prefill_config  # noqa: E402
-from jaxserve.attention import AttentionMetadata, ragged_paged_attention as xla_attention  # noqa: E402
+from jaxserve.ops.attention import AttentionMetadata, ragged_paged_attention as xla_attention  # noqa: E402
 
 PAGE_SIZE = 16
 

@@ -69,8 +69,8 @@ def engine_phases(engine, prompts: np.ndarray, decode_steps: int, async_scheduli
     The prompts may take several steps (max_num_batched_tokens), and the first ones start decoding while
     the others are still prompts: so every request may generate until all B have their first token, then
     exactly `decode_steps` steps are timed, each with all B decoding, and the requests are aborted."""
-    from jaxserve.engine import STEP_PHASES
-    from jaxserve.sampling import SamplingParams
+    from jaxserve.core.engine import STEP_PHASES
+    from jaxserve.ops.sampling import SamplingParams
 
     runner = engine.runner
     engine.async_scheduling = async_scheduling
@@ -121,8 +121,8 @@ def engine_phases(engine, prompts: np.ndarray, decode_steps: int, async_scheduli
 
 class JaxserveBench:
     def __init__(self, max_batch: int, prompt_len: int, decode_steps: int, max_phase_batch: int = 0):
-        from jaxserve.engine import LLMEngine
-        from jaxserve.engine_config import EngineConfig
+        from jaxserve.core.engine import LLMEngine
+        from jaxserve.config.engine_config import EngineConfig
         from jaxserve.weights import load_model
 
         start = time.perf_counter()
@@ -160,8 +160,8 @@ class JaxserveBench:
 
     def cases(self, prompts: np.ndarray) -> Cases:
         """prompts [B, P] int32. Prefill must run before decode (decode feeds on its sampled ids)."""
-        from jaxserve.step_inputs import ScheduledSeq
-        from jaxserve.sampling import SamplingParams
+        from jaxserve.runner.step_inputs import ScheduledSeq
+        from jaxserve.ops.sampling import SamplingParams
 
         greedy = SamplingParams(temperature=0.0)
         self.free_tables()
@@ -314,7 +314,7 @@ def table(results: list[dict]) -> str:
 
 
 def phase_table(results: list[dict]) -> str:
-    from jaxserve.engine import STEP_PHASES
+    from jaxserve.core.engine import STEP_PHASES
 
     lines = ["| batch | async | " + " | ".join(STEP_PHASES) + " | host (no wait) | step wall | device | busy |",
              "|---:|:---|" + "---:|" * (len(STEP_PHASES) + 4)]

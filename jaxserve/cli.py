@@ -14,8 +14,8 @@ import logging
 import sys
 
 from jaxserve.bench.cli import add_bench_parser
-from jaxserve.config import ModelLoadError
-from jaxserve.engine_config import add_engine_flags, engine_config_from_args
+from jaxserve.config.model_config import ModelLoadError
+from jaxserve.config.engine_config import add_engine_flags, engine_config_from_args
 from server.main import add_serve_flags, serve
 
 
@@ -26,7 +26,7 @@ def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int | None)
 
 
 def _sampling_params(args: argparse.Namespace):
-    from jaxserve.sampling import SamplingParams
+    from jaxserve.ops.sampling import SamplingParams
 
     return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.sampling_seed)
 
@@ -70,7 +70,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
     hf_config = load_hf_config(args.src) if args.to == "hf" else None  # fail before the slow load
     loaded = load_model(args.src, args.dtype)
     if args.to == "hf":
-        from jaxserve.export import save_hf_dir
+        from jaxserve.tools.export import save_hf_dir
 
         dst = save_hf_dir(loaded, hf_config, args.dst, args.dtype)
     else:
@@ -82,9 +82,9 @@ def cmd_check_lowering(args: argparse.Namespace) -> None:
     """Lowers every bucket's step functions for --platform; exit code 1 if any failed."""
     import jax
 
-    from jaxserve.check_lowering import PLATFORMS, check_lowering, format_results
-    from jaxserve.device_defaults import DeviceInfo, resolve_dtype
-    from jaxserve.tensor_parallel import request_cpu_devices
+    from jaxserve.tools.check_lowering import PLATFORMS, check_lowering, format_results
+    from jaxserve.config.device_defaults import DeviceInfo, resolve_dtype
+    from jaxserve.parallel.tensor_parallel import request_cpu_devices
     from jaxserve.weights import load_model
 
     engine_cfg = engine_config_from_args(args)

@@ -13,10 +13,10 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
-from jaxserve.engine_config import engine_config_from_kwargs
-from jaxserve.engine import LLMEngine
-from jaxserve.request import Request
-from jaxserve.sampling import SamplingParams
+from jaxserve.config.engine_config import engine_config_from_kwargs
+from jaxserve.core.engine import LLMEngine
+from jaxserve.core.request import Request
+from jaxserve.ops.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Queries of many sequences lie on one token axis (`cu_q_lens`); each sequence attends causally over
 its cached prefix and its own chunk, read through its block table (the metadata contract of
-`jaxserve/attention.py`). XLA cuts the token axis into tiles of 2 x (64 // group) tokens that never
+`jaxserve/ops/attention.py`). XLA cuts the token axis into tiles of 2 x (64 // group) tokens that never
 span two sequences and lays each tile out, per KV head, as two blocks of 64 (token, query head) rows;
 the kernel runs one program per (tile, KV head), so GQA groups share every K/V page they load. XLA
 scatters the tiles back. `ragged_paged_attention_reference` below is the plain-jnp statement of the
@@ -17,7 +17,7 @@ after PV), so copies run ahead of the math by up to `num_stages` tiles and never
 use. Both consumers step through all of the program's KV tiles in order, to keep the barriers' phases
 in step, but each computes only the tiles its own rows can see and passes over the others.
 
-The new K/V are not written here: `jaxserve.attention.write_kv` (an XLA scatter) runs first. A fused
+The new K/V are not written here: `jaxserve.ops.attention.write_kv` (an XLA scatter) runs first. A fused
 write would need every program of a sequence to see the chunk's keys before any program reads them,
 a grid-wide ordering one launch cannot give; the scatter moves T x KVH x D values, a small fraction
 of what attention reads.
@@ -302,7 +302,7 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, layer, cu_q_lens, kv_l
                                      scale: float, sliding_window=0, soft_cap: float = 0.0):
     """Plain jnp, float32, no tiling: every row against every key slot of its sequence, masked.
 
-    Memory is O(T x max_kv_len x H), so it is for tests; `jaxserve.attention.ragged_paged_attention`
+    Memory is O(T x max_kv_len x H), so it is for tests; `jaxserve.ops.attention.ragged_paged_attention`
     is the production XLA path with the same contract.
     """
     num_tokens, num_heads, head_dim = q.shape

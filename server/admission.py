@@ -16,9 +16,9 @@ import time
 import uuid
 from typing import Callable, TypeVar
 
-from jaxserve.engine_loop import EngineLoop, EngineStuck, RequestStream, StreamDelta
+from jaxserve.core.engine_loop import EngineLoop, EngineStuck, RequestStream, StreamDelta
 from jaxserve.errors import InvalidParameter
-from jaxserve.sampling import SamplingParams
+from jaxserve.ops.sampling import SamplingParams
 from server.errors import APIError
 from server.metrics import Metrics
 

@@ -3,7 +3,7 @@
 A generation request goes: parse (`protocol.py`) -> validate and tokenize off the event loop
 (`prompts.py`) -> admit (`admission.py`) -> read the engine streams whole or as SSE
 (`streaming.py`), shaped by the endpoint's `ChoiceFormat` (`responses.py`). Errors everywhere
-take one shape (`errors.py`). The engine runs in its own thread (`jaxserve.engine_loop`); routes
+take one shape (`errors.py`). The engine runs in its own thread (`jaxserve.core.engine_loop`); routes
 only submit, read per-request streams and abort. `GET /` serves the chat page (`static/`), a client of
 these routes that runs in the browser.
 
@@ -23,7 +23,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 import jaxserve
-from jaxserve.engine_loop import EngineLoop
+from jaxserve.core.engine_loop import EngineLoop
 from server import prompts as edge
 from server.admission import ServerState, Submission, submit
 from server.errors import APIError, APIKeyMiddleware, BodySizeLimitMiddleware, error_response, install_error_handlers

@@ -26,15 +26,15 @@ def serve(args: argparse.Namespace) -> None:
     if args.data_parallel_size > 1 and args.allowed_hosts is not None:
         raise ValueError("--allowed-hosts is not supported with --data-parallel-size: the router in front of the "
                          "replicas does not check the Host header")
-    if args.data_parallel_size > 1:  # replicas of this command behind a router (jaxserve/data_parallel.py)
-        from jaxserve.data_parallel import serve_data_parallel
+    if args.data_parallel_size > 1:  # replicas of this command behind a router (jaxserve/distributed/data_parallel.py)
+        from jaxserve.distributed.data_parallel import serve_data_parallel
 
         return serve_data_parallel(args, add_serve_flags)
     import uvicorn
 
-    from jaxserve.engine import LLMEngine
-    from jaxserve.engine_config import engine_config_from_args
-    from jaxserve.engine_loop import EngineLoop
+    from jaxserve.core.engine import LLMEngine
+    from jaxserve.config.engine_config import engine_config_from_args
+    from jaxserve.core.engine_loop import EngineLoop
     from server.app import check_allowed_hosts, create_app
     from server.draining import DrainingServer
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from jaxserve.engine_loop import StreamDelta
+from jaxserve.core.engine_loop import StreamDelta
 
 
 def new_id(prefix: str) -> str:

@@ -17,7 +17,7 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from jaxserve.engine_loop import EngineStuck, RequestStream, StreamDelta
+from jaxserve.core.engine_loop import EngineStuck, RequestStream, StreamDelta
 from jaxserve.errors import InvalidParameter, RequestFailed
 from server.admission import ServerShuttingDown, ServerState, Submission
 from server.errors import APIError, error_body

@@ -6,7 +6,7 @@ A client may ask with OpenAI's `response_format`, vLLM's `structured_outputs` ob
 params then hold it, so `make_request`, on the event loop, never compiles), and reports a bad schema,
 regex or grammar as a 400 whose `param` is the field the client sent. What this module does not own:
 tool calls' grammars (`tools.py`), holding the output to a grammar (the engine,
-`jaxserve/structured_output.py`).
+`jaxserve/core/structured_output.py`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from jaxserve.errors import InvalidParameter
-from jaxserve.structured_output import StructuredOutputsParams
+from jaxserve.core.structured_output import StructuredOutputsParams
 from server.admission import ServerState
 from server.errors import APIError
 from server.protocol import SamplingFields

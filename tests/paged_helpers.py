@@ -2,7 +2,7 @@
 
 A test describes one forward call as a list of `SeqChunk`s, one per sequence (the tokens new in this
 call, how many of the sequence's tokens are already cached, its block table), and `make_batch` lays
-them out the way the model runner does (see the contract in `jaxserve/attention.py`): new tokens
+them out the way the model runner does (see the contract in `jaxserve/ops/attention.py`): new tokens
 flattened onto one token axis, padding tokens at the end writing into page 0, padded sequences with
 q_len 0 and kv_len 0. Nothing here runs the model.
 """
@@ -15,7 +15,7 @@ from typing import NamedTuple, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.attention import AttentionMetadata
+from jaxserve.ops.attention import AttentionMetadata
 
 
 @dataclasses.dataclass(frozen=True)

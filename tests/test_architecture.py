@@ -151,14 +151,14 @@ def test_the_checks_see_what_they_are_meant_to_see():
     """The rules themselves on small graphs and sources, so a silent parser cannot pass the real tree."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
-    assert "jaxserve.engine" in _import_graph()["jaxserve.llm"]
+    assert "jaxserve.core.engine" in _import_graph()["jaxserve.llm"]
     # server/main.py imports the engine inside serve(): function-level imports are edges too
-    assert "jaxserve.engine" in _import_graph()["server.main"]
-    fake = ast.parse("from jaxserve.weights import _hidden\nimport jaxserve.cpu_ffi as ffi\n"
-                     "def f():\n    from jaxserve import config\n    return ffi._lib, config._rope_config\n")
+    assert "jaxserve.core.engine" in _import_graph()["server.main"]
+    fake = ast.parse("from jaxserve.weights import _hidden\nimport jaxserve.ops.cpu_ffi as ffi\n"
+                     "def f():\n    from jaxserve.config import model_config\n    return ffi._lib, model_config._rope_config\n")
     uses = _private_uses("jaxserve.llm", fake)
-    assert [u.split(" ", 1)[1] for u in uses] == ["imports jaxserve.weights._hidden", "uses jaxserve.cpu_ffi._lib",
-                                                  "uses jaxserve.config._rope_config"]
+    assert [u.split(" ", 1)[1] for u in uses] == ["imports jaxserve.weights._hidden", "uses jaxserve.ops.cpu_ffi._lib",
+                                                  "uses jaxserve.config.model_config._rope_config"]
 
 
 def test_no_module_uses_another_modules_private_names():

@@ -15,7 +15,7 @@ import random
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine import resolve_async_scheduling
+from jaxserve.core.engine import resolve_async_scheduling
 from tiny_models import make_tiny_model
 
 MAX_MODEL_LEN, PAGE_SIZE = 256, 8

@@ -1,4 +1,4 @@
-"""Where jaxserve's caches live (`jaxserve/cache_dirs.py`) and the rule that each is optional: without a
+"""Where jaxserve's caches live (`jaxserve/config/cache_dirs.py`) and the rule that each is optional: without a
 usable home directory a start goes on without them, saying so, instead of failing. The GGUF caches' and
 the kernels' own tests are in test_gguf_cache.py and test_cpu_kernel_build.py."""
 
@@ -10,8 +10,8 @@ import pathlib
 import jax
 import pytest
 
-from jaxserve import cache_dirs
-from jaxserve.compilation import enable_persistent_cache
+from jaxserve.config import cache_dirs
+from jaxserve.runner.compilation import enable_persistent_cache
 
 
 @pytest.fixture
@@ -24,7 +24,7 @@ def home_under_a_file(tmp_path, monkeypatch):
 
 def test_a_cache_that_cannot_be_created_is_none_and_said_once(home_under_a_file, monkeypatch, caplog):
     monkeypatch.delenv("JAXSERVE_TEST_CACHE", raising=False)
-    with caplog.at_level(logging.WARNING, logger="jaxserve.cache_dirs"):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.config.cache_dirs"):
         assert cache_dirs.cache_dir("test", "JAXSERVE_TEST_CACHE") is None
         assert cache_dirs.cache_dir("test", "JAXSERVE_TEST_CACHE") is None
     (record,) = caplog.records
@@ -40,7 +40,7 @@ def test_without_a_home_directory_a_cache_is_none_and_said(monkeypatch, caplog):
 
     monkeypatch.delenv("JAXSERVE_TEST_CACHE", raising=False)
     monkeypatch.setattr(pathlib.Path, "home", classmethod(no_home))
-    with caplog.at_level(logging.WARNING, logger="jaxserve.cache_dirs"):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.config.cache_dirs"):
         assert cache_dirs.cache_dir("nohome", "JAXSERVE_TEST_CACHE") is None
     assert any("no home directory" in r.getMessage() for r in caplog.records)
 
@@ -57,7 +57,7 @@ def test_the_compilation_cache_without_a_usable_home_is_left_off_and_said(home_u
     """An engine's start called enable_persistent_cache, which raised on a read-only or missing home."""
     monkeypatch.delenv("JAXSERVE_COMPILATION_CACHE", raising=False)
     before = jax.config.jax_compilation_cache_dir
-    with caplog.at_level(logging.WARNING, logger="jaxserve.cache_dirs"):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.config.cache_dirs"):
         assert enable_persistent_cache() is None
     assert jax.config.jax_compilation_cache_dir == before
     assert any("running without its xla cache" in r.getMessage() and str(home_under_a_file) in r.getMessage()

@@ -1,4 +1,4 @@
-"""The C++ paged attention for XLA:CPU (`jaxserve/cpu_ffi.py`) against the dense reference.
+"""The C++ paged attention for XLA:CPU (`jaxserve/ops/cpu_ffi.py`) against the dense reference.
 
 The kernel computes every row of `paged_attention(backend="cpu")`: decode rows and the rows of
 prompt chunks, each over its own causal key range. The ragged cases mix both (chunks with and without
@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from jaxserve import cpu_ffi
-from jaxserve.attention import ragged_paged_attention
-from jaxserve.attention_backends import paged_attention, resolve_attention_backend, write_kv
-from jaxserve.config import ModelConfig, RopeConfig
-from jaxserve.engine_config import EngineConfig
+from jaxserve.ops import cpu_ffi
+from jaxserve.ops.attention import ragged_paged_attention
+from jaxserve.ops.attention_backends import paged_attention, resolve_attention_backend, write_kv
+from jaxserve.config.model_config import ModelConfig, RopeConfig
+from jaxserve.config.engine_config import EngineConfig
 from test_pallas_attention import LAYER, build_case, decode_lengths, ragged_lengths
 
 pytestmark = pytest.mark.skipif(cpu_ffi.kernel_error() is not None,
@@ -158,7 +158,7 @@ def test_auto_picks_the_cpu_kernel_for_float32_on_a_cpu_and_xla_otherwise(caplog
     assert resolve_attention_backend("auto", SMOLLM2_LIKE, f32, platform="cpu") == "cpu"
     assert resolve_attention_backend("cpu", SMOLLM2_LIKE, f32, platform="cpu") == "cpu"
     assert resolve_attention_backend("xla", SMOLLM2_LIKE, f32, platform="cpu") == "xla"
-    with caplog.at_level(logging.WARNING, logger="jaxserve.attention_backends"):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.ops.attention_backends"):
         assert resolve_attention_backend("auto", SMOLLM2_LIKE, bf16, platform="cpu") == "xla"
     assert "float32" in caplog.text
     with pytest.raises(ValueError, match="attention_backend='cpu'.*float32"):
@@ -176,7 +176,7 @@ def test_without_a_compiler_auto_falls_back_to_xla_and_says_why(monkeypatch, tmp
     try:
         assert "no C++ compiler ('no-such-compiler'" in cpu_ffi.kernel_error()
         f32 = EngineConfig(dtype="float32")
-        with caplog.at_level(logging.WARNING, logger="jaxserve.attention_backends"):
+        with caplog.at_level(logging.WARNING, logger="jaxserve.ops.attention_backends"):
             assert resolve_attention_backend("auto", SMOLLM2_LIKE, f32, platform="cpu") == "xla"
         assert "no C++ compiler" in caplog.text
         with pytest.raises(ValueError, match="no C\\+\\+ compiler"):

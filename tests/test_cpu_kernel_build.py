@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from jaxserve import cpu_ffi
+from jaxserve.ops import cpu_ffi
 
 BASE = dict(sources=["int f();"], compiler="/usr/bin/c++ c++ 12.2.0", flags=("-O3", "-march=native"),
             jax_version="0.10.2", machine="x86_64", features="avx2 avx512f fma sse4_2")
@@ -66,7 +66,7 @@ def test_native_target_is_what_march_native_resolves_to():
 def test_compiler_warnings_are_logged(tmp_path, caplog):
     source = tmp_path / "warns.cc"
     source.write_text("int answer() { int unused = 1; return 42; }\n")
-    with caplog.at_level(logging.WARNING, logger="jaxserve.cpu_ffi"):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.ops.cpu_ffi"):
         assert cpu_ffi.build_library("c++", (source,), tmp_path / "warns.so") is None
     assert (tmp_path / "warns.so").exists()
     assert any("unused" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
@@ -128,7 +128,7 @@ def test_a_kernel_cache_others_can_write_to_is_refused_by_name(tmp_path, monkeyp
     shared.mkdir()
     shared.chmod(mode)
     monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(shared))
-    with caplog.at_level(logging.WARNING, logger="jaxserve.cache_dirs"):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.config.cache_dirs"):
         library = cpu_ffi.library_path("c++")
     assert library.parent != shared
     assert cpu_ffi.unsafe_to_load_from(library.parent) is None
@@ -141,7 +141,7 @@ def test_a_kernel_cache_that_cannot_be_created_is_left_out_and_said(tmp_path, mo
     (tmp_path / "file").write_text("")
     monkeypatch.delenv("JAXSERVE_KERNEL_CACHE", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "file" / "home"))
-    with caplog.at_level(logging.WARNING, logger="jaxserve.cache_dirs"):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.config.cache_dirs"):
         library = cpu_ffi.library_path("c++")
     assert not str(library).startswith(str(tmp_path))
     assert cpu_ffi.unsafe_to_load_from(library.parent) is None

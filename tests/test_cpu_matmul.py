@@ -1,4 +1,4 @@
-"""The C++ packed-weight matmul for XLA:CPU (`jaxserve/cpu_ffi.py`) against float64 numpy, and the
+"""The C++ packed-weight matmul for XLA:CPU (`jaxserve/ops/cpu_ffi.py`) against float64 numpy, and the
 engine's choice of it. The model-level parity (every family, packed, against Hugging Face) is in
 test_model_parity.py."""
 
@@ -14,10 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve import LLM, SamplingParams, cpu_ffi
-from jaxserve.attention_backends import matmul_hint, paired_attention_backend, resolve_matmul_backend
-from jaxserve.engine_config import EngineConfig
-from jaxserve.cpu_ffi import PANEL_WIDTH, PackedWeight, matmul
+from jaxserve import LLM, SamplingParams
+
+from jaxserve.ops import cpu_ffi
+from jaxserve.ops.attention_backends import matmul_hint, paired_attention_backend, resolve_matmul_backend
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.ops.cpu_ffi import PANEL_WIDTH, PackedWeight, matmul
 
 needs_kernels = pytest.mark.skipif(cpu_ffi.kernel_error() is not None,
                                    reason=f"the CPU kernels are unavailable: {cpu_ffi.kernel_error()}")
@@ -222,7 +224,7 @@ def test_auto_packs_the_weights_for_float32_on_a_cpu_and_keeps_xla_otherwise(cap
     assert resolve_matmul_backend("auto", f32, platform="cpu") == "cpu"
     assert resolve_matmul_backend("auto", f32, platform="gpu") == "xla"
     assert resolve_matmul_backend("xla", f32, platform="cpu") == "xla"
-    with caplog.at_level(logging.WARNING, logger="jaxserve.attention_backends"):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.ops.attention_backends"):
         assert resolve_matmul_backend("auto", bf16, platform="cpu") == "xla"
     assert "float32" in caplog.text
     with pytest.raises(ValueError, match="matmul_backend='cpu'.*runs on a CPU"):

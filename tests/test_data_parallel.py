@@ -32,9 +32,9 @@ import pytest
 import yaml
 from server_helpers import API_KEY, AUTH, REPO_ROOT, TINY_FLAGS, free_port, metric, metric_samples
 
-from jaxserve import data_parallel
-from jaxserve.data_parallel import Replica, Router, replica_flags, split_cpus
-from jaxserve.engine_loop import FAULT_HANG_DIR_ENV
+from jaxserve.distributed import data_parallel
+from jaxserve.distributed.data_parallel import Replica, Router, replica_flags, split_cpus
+from jaxserve.core.engine_loop import FAULT_HANG_DIR_ENV
 
 pytest.importorskip("sglang_router")
 

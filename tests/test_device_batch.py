@@ -1,4 +1,4 @@
-"""The persistent device batch (`jaxserve/device_batch.py`): each running sequence's sampling settings,
+"""The persistent device batch (`jaxserve/runner/device_batch.py`): each running sequence's sampling settings,
 block table and penalty history live on the device in a slot, and a step carries only the rows that
 changed. Guards: what a step sends is small and counts only changed rows; slots are taken back and
 reused; a preempted request's history is rewritten when it comes back (penalties see the same tokens);
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.device_batch import Slots
+from jaxserve.runner.device_batch import Slots
 from tiny_models import make_tiny_model
 
 MAX_MODEL_LEN, PAGE_SIZE = 256, 8
@@ -152,7 +152,7 @@ def test_a_step_hands_its_executable_two_host_arrays(ample):
     """On a GPU each host array an executable takes is its own host-to-device copy (on an H100 a step's
     nine cost about 3 ms): the step's tokens, positions, slots, previous rows, sequence bounds, lengths,
     logits rows, slots and sample flags go as two arrays, and come out on the device as they went in."""
-    from jaxserve import step_inputs
+    from jaxserve.runner import step_inputs
 
     runner, calls = ample.engine.runner, []
     executables = dict(runner._executables)

@@ -9,13 +9,15 @@ import os
 
 import pytest
 
-from jaxserve import SamplingParams, device_defaults
+from jaxserve import SamplingParams
+
+from jaxserve.config import device_defaults
 from jaxserve.cli import build_parser
-from jaxserve.config import ModelConfig, RopeConfig
-from jaxserve.device_defaults import DeviceInfo, MemoryUse, num_pool_pages, resolve
-from jaxserve.engine import LLMEngine
-from jaxserve.engine_config import EngineConfig, engine_config_from_args
-from jaxserve.model_runner import decode_buckets, prefill_buckets
+from jaxserve.config.model_config import ModelConfig, RopeConfig
+from jaxserve.config.device_defaults import DeviceInfo, MemoryUse, num_pool_pages, resolve
+from jaxserve.core.engine import LLMEngine
+from jaxserve.config.engine_config import EngineConfig, engine_config_from_args
+from jaxserve.runner.model_runner import decode_buckets, prefill_buckets
 
 GiB = 2**30
 CPU = DeviceInfo("cpu", "cpu")

@@ -20,12 +20,14 @@ import random
 import jax
 import pytest
 
-from jaxserve import LLM, SamplingParams, draft_model
-from jaxserve.compilation import forbid_compilation, num_compilations
-from jaxserve.draft_model import DraftModelProposer, draft_engine_config
-from jaxserve.engine_config import EngineConfig
-from jaxserve.request import Request, RequestStatus
-from jaxserve.speculative import SpeculativeConfig
+from jaxserve import LLM, SamplingParams
+
+from jaxserve.spec_decode import draft_model
+from jaxserve.runner.compilation import forbid_compilation, num_compilations
+from jaxserve.spec_decode.draft_model import DraftModelProposer, draft_engine_config
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.spec_decode.speculative import SpeculativeConfig
 from jaxserve.weights import load_model
 from tiny_models import make_tiny_model
 

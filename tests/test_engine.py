@@ -7,13 +7,13 @@ import random
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.compilation import forbid_compilation, num_compilations
-from jaxserve.engine import LLMEngine
-from jaxserve.engine_config import EngineConfig
-from jaxserve.model_runner import decode_buckets, prefill_buckets
-from jaxserve.page_pool import PagePool
-from jaxserve.request import Request, RequestStatus
-from jaxserve.scheduler import Scheduler
+from jaxserve.runner.compilation import forbid_compilation, num_compilations
+from jaxserve.core.engine import LLMEngine
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.runner.model_runner import decode_buckets, prefill_buckets
+from jaxserve.runner.page_pool import PagePool
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.scheduler import Scheduler
 from tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.speculative import SpeculativeConfig
+from jaxserve.spec_decode.speculative import SpeculativeConfig
 
 from jaxserve import LLM
 from jaxserve.cli import build_parser
-from jaxserve.engine_config import EngineConfig, engine_config_from_args, engine_config_from_kwargs, parse_size
+from jaxserve.config.engine_config import EngineConfig, engine_config_from_args, engine_config_from_kwargs, parse_size
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 COMMANDS = (["serve"], ["generate", "a prompt"], ["chat"], ["check-lowering"], ["bench", "throughput"])

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.model_runner import pick_bucket
-from jaxserve.request import RequestStatus
+from jaxserve.runner.model_runner import pick_bucket
+from jaxserve.core.request import RequestStatus
 from tiny_models import make_tiny_model
 
 MAX_MODEL_LEN, PAGE_SIZE = 256, 8

@@ -18,7 +18,7 @@ import pytest
 from engine_fakes import BlockingStep
 
 from jaxserve import LLM
-from jaxserve.engine_loop import EngineLoop
+from jaxserve.core.engine_loop import EngineLoop
 from server.app import create_app
 
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "ignore_eos": True, "temperature": 0}

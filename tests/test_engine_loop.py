@@ -12,8 +12,8 @@ import pytest
 from engine_fakes import BlockingStep
 
 from jaxserve import LLM, SamplingParams
-from jaxserve import engine_loop as engine_loop_module
-from jaxserve.engine_loop import EngineLoop, EngineStuck
+from jaxserve.core import engine_loop as engine_loop_module
+from jaxserve.core.engine_loop import EngineLoop, EngineStuck
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 

@@ -36,10 +36,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine_config import EngineConfig
-from jaxserve.page_pool import PagePool
-from jaxserve.request import Request, RequestStatus
-from jaxserve.scheduler import Scheduler
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.runner.page_pool import PagePool
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.scheduler import Scheduler
 from tiny_models import EOS_ID, VOCAB_SIZE
 
 MAX_MODEL_LEN, PAGE_SIZE = 64, 8
@@ -311,7 +311,7 @@ class EngineMachine(RuleBasedStateMachine):
 
 def test_engine_state_machine(engine, caplog):
     """Adds, steps, aborts, preempts and fails requests in random order; see the module docstring."""
-    caplog.set_level(logging.CRITICAL, logger="jaxserve.engine")  # the injected failures are logged
+    caplog.set_level(logging.CRITICAL, logger="jaxserve.core.engine")  # the injected failures are logged
     stats = collections.Counter()
     start = time.perf_counter()
     run_state_machine_as_test(lambda: EngineMachine(engine, stats), settings=SETTINGS)

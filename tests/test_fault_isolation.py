@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve import scheduler as scheduler_module
-from jaxserve.detokenizer import IncrementalDetokenizer
-from jaxserve.engine_loop import EngineLoop
+from jaxserve.core import scheduler as scheduler_module
+from jaxserve.core.detokenizer import IncrementalDetokenizer
+from jaxserve.core.engine_loop import EngineLoop
 from jaxserve.errors import RequestFailed
-from jaxserve.request import RequestStatus
+from jaxserve.core.request import RequestStatus
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

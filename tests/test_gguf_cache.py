@@ -144,7 +144,7 @@ def test_a_failed_cache_write_leaves_no_temporary_directory_and_says_so(tmp_path
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(safetensors.flax, "save_file", disk_full)
-    with caplog.at_level(logging.WARNING, logger="jaxserve.cache_dirs"):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.config.cache_dirs"):
         loaded = load_model(path)
     assert loaded.params["embed"].shape[0] == tiny_models.VOCAB_SIZE
     assert leftovers(tmp_path / "models") == []
@@ -169,7 +169,7 @@ def test_without_a_usable_home_a_gguf_loads_without_caches_and_says_so(tmp_path,
         monkeypatch.delenv("HOME")
         monkeypatch.setattr(pathlib.Path, "home", classmethod(no_home))
     path = write_gguf(tmp_path / "model.gguf", make_llama(seed=0), "llama")
-    with caplog.at_level(logging.WARNING, logger="jaxserve.cache_dirs"):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.config.cache_dirs"):
         first = load_model(path)
         second = load_model(path)
     np.testing.assert_array_equal(np.asarray(first.params["embed"]), np.asarray(second.params["embed"]))

@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as QType
 
 import tiny_models
 from gguf_files import gguf_tensor_name, llama_cpp_permute, write_gguf
-from jaxserve.config import ModelLoadError
+from jaxserve.config.model_config import ModelLoadError
 from jaxserve.weights import gguf_tensor_types, load_model
 
 UNSUPPORTED_TYPES = [t.name for t in QType if t.name not in gguf_tensor_types()]

@@ -9,8 +9,8 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.cli import build_parser
-from jaxserve.config import ModelLoadError
-from jaxserve.engine_config import EngineConfig, engine_config_from_args
+from jaxserve.config.model_config import ModelLoadError
+from jaxserve.config.engine_config import EngineConfig, engine_config_from_args
 from jaxserve.models.params import param_shapes
 from jaxserve.weights import load_model
 from tiny_models import byte_tokenizer, hf_config
@@ -89,7 +89,7 @@ def test_the_runner_draws_the_weights_in_its_own_layout(config_only_dir):
     """No copy of the weights but the runner's ever exists: on an H100 a freed loader copy of the 8B shape
     left a hole that split the memory the KV pool needs whole. The runner's weights are the drawn ones,
     converted: the engine's greedy tokens equal those of the same draw loaded as plain arrays."""
-    from jaxserve.engine import LLMEngine
+    from jaxserve.core.engine import LLMEngine
     from jaxserve.weights import LoadedModel
 
     settings = dict(attention_backend="xla", matmul_backend="xla", max_model_len=32, max_num_seqs=2,

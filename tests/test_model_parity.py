@@ -24,8 +24,8 @@ import pytest
 import torch
 
 import tiny_models
-from jaxserve import cpu_ffi
-from jaxserve.config import ModelConfig
+from jaxserve.ops import cpu_ffi
+from jaxserve.config.model_config import ModelConfig
 from jaxserve.models.transformer import forward, serving_params
 from jaxserve.weights import LoadedModel, load_model
 from paged_helpers import SeqChunk, assign_pages, make_batch

@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from jaxserve import SamplingParams
-from jaxserve.multihost import SECRET_ENV, SECRET_FILE_ENV
+from jaxserve.distributed.multihost import SECRET_ENV, SECRET_FILE_ENV
 from server_helpers import REPO_ROOT, free_port, run_server
 
 DEFAULT_FLAGS = ["--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "128"]

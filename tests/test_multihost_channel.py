@@ -1,4 +1,4 @@
-"""The multi-host step channel (jaxserve/multihost.py; its wire format, jaxserve/step_channel.py) on its
+"""The multi-host step channel (jaxserve/distributed/multihost.py; its wire format, jaxserve/distributed/step_channel.py) on its
 own, in one process over loopback: no pickle on either side, the HMAC handshake, one connection per rank,
 probes, fingerprints, the binary step schema, keepalive, the bind address, a loss before the handler is
 set, the missing-secret error, and the multi-host manifest's Service and Secret.
@@ -25,14 +25,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from jaxserve import multihost
-from jaxserve import step_channel as wire
-from jaxserve.config import ModelConfig, RopeConfig
-from jaxserve.engine_config import EngineConfig
-from jaxserve.model_runner import decode_buckets, prefill_buckets
-from jaxserve.sampling import SamplingParams
-from jaxserve.step_channel import ChannelError
-from jaxserve.step_inputs import ScheduledSeq, StepInputBuilder
+from jaxserve.distributed import multihost
+from jaxserve.distributed import step_channel as wire
+from jaxserve.config.model_config import ModelConfig, RopeConfig
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.runner.model_runner import decode_buckets, prefill_buckets
+from jaxserve.ops.sampling import SamplingParams
+from jaxserve.distributed.step_channel import ChannelError
+from jaxserve.runner.step_inputs import ScheduledSeq, StepInputBuilder
 from server_helpers import REPO_ROOT
 
 SECRET = b"correct horse battery staple 42"
@@ -297,7 +297,7 @@ def test_serve_without_a_secret_fails_at_start_up_before_loading_anything():
 
 
 def test_pickled_payloads_to_the_leader_are_refused_logged_and_the_group_serves_on(marker, caplog):
-    caplog.set_level(logging.WARNING, logger="jaxserve.multihost")
+    caplog.set_level(logging.WARNING, logger="jaxserve.distributed.multihost")
     cfg = _cfg()
     started = LeaderThread(cfg)
     port = _port(cfg)
@@ -396,7 +396,7 @@ def test_a_follower_takes_no_steps_from_a_leader_without_the_secret(marker):
 
 
 def test_a_follower_with_the_wrong_secret_is_refused_by_rank_and_address(caplog):
-    caplog.set_level(logging.WARNING, logger="jaxserve.multihost")
+    caplog.set_level(logging.WARNING, logger="jaxserve.distributed.multihost")
     cfg = _cfg()
     started = LeaderThread(cfg)
     with pytest.raises(ChannelError, match="refused rank 1: authentication failed"):
@@ -417,7 +417,7 @@ def test_an_insecure_leader_refuses_a_follower_that_has_a_secret():
 
 
 def test_silent_and_closing_probes_neither_hang_start_up_nor_take_the_slot(caplog):
-    caplog.set_level(logging.WARNING, logger="jaxserve.multihost")
+    caplog.set_level(logging.WARNING, logger="jaxserve.distributed.multihost")
     cfg = _cfg()
     started = LeaderThread(cfg, handshake_timeout_s=3)
     port = _port(cfg)
@@ -460,7 +460,7 @@ def test_one_connection_per_rank():
 
 
 def test_a_fingerprint_mismatch_is_refused_naming_the_field(caplog):
-    caplog.set_level(logging.WARNING, logger="jaxserve.multihost")
+    caplog.set_level(logging.WARNING, logger="jaxserve.distributed.multihost")
     cfg = _cfg()
     started = LeaderThread(cfg)
     with pytest.raises(ChannelError, match="kv_pages: leader 33, follower 65") as error:

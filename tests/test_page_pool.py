@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.engine_config import EngineConfig
-from jaxserve.page_pool import PagePool, hash_page
-from jaxserve.request import Request, RequestStatus
-from jaxserve.sampling import SamplingParams
-from jaxserve.scheduler import Scheduler
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.runner.page_pool import PagePool, hash_page
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.ops.sampling import SamplingParams
+from jaxserve.core.scheduler import Scheduler
 
 PS = 4  # page size used throughout
 

@@ -32,7 +32,7 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import common as pk_common
-from jaxserve.attention import ragged_paged_attention as xla_ragged_paged_attention
+from jaxserve.ops.attention import ragged_paged_attention as xla_ragged_paged_attention
 from pallas_kernels.interpret import races_found
 from paged_helpers import SeqChunk, assign_pages, make_batch
 
@@ -270,7 +270,7 @@ def test_an_interpreted_kernel_compiles_nothing_after_its_first_call():
     the interpreter's host callbacks included: XLA runs them on the calling thread or on one of its own,
     and under this module's matmul precision (a setting of this thread only) a later call that ran one on
     the other kind of thread compiled its jnp ops again (a flaky extra compilation)."""
-    from jaxserve import compilation
+    from jaxserve.runner import compilation
 
     q, k, v, md, _ = build_case(ragged_lengths(16), page_size=16, head_dim=64, group=4, dtype="float32", seed=0)
     kernel = jax.jit(functools.partial(pk.ragged_paged_attention, scale=0.125, interpret=True))

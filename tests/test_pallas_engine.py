@@ -103,7 +103,7 @@ def test_unsupported_head_dim_is_refused_at_engine_start(tiny_model_dir):
         with pytest.raises(ValueError, match=f"attention_backend='{backend}'.*head_dim=16"):
             LLM(tiny_model_dir("llama"), attention_backend=backend, warmup=False, **ENGINE)
     llm = LLM(tiny_model_dir("llama"), attention_backend="auto", warmup=False, **ENGINE)
-    from jaxserve.cpu_ffi import kernel_error
+    from jaxserve.ops.cpu_ffi import kernel_error
 
     # On a CPU in float32: XLA with the C++ decode kernel, or plain XLA where no compiler can build it.
     expected = "cpu" if not ON_GPU and kernel_error() is None else "xla"

@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import pytest
 
 import pallas_kernels as pk
-from jaxserve.attention_backends import resolve_attention_backend
-from jaxserve.check_lowering import check_lowering, format_results
-from jaxserve.config import ModelConfig, RopeConfig
-from jaxserve.engine_config import EngineConfig
+from jaxserve.ops.attention_backends import resolve_attention_backend
+from jaxserve.tools.check_lowering import check_lowering, format_results
+from jaxserve.config.model_config import ModelConfig, RopeConfig
+from jaxserve.config.engine_config import EngineConfig
 from pallas_kernels.common import COMPUTE_WARPGROUPS
 from pallas_kernels.lowering import mosaic_kernels
 
@@ -176,7 +176,7 @@ def test_auto_picks_pallas_for_a_gpu_only_when_the_model_fits(caplog):
     bf16 = EngineConfig(dtype="bfloat16")
     assert resolve_attention_backend("auto", SMOLLM2, bf16, platform="gpu") == "pallas"
     assert resolve_attention_backend("auto", SMOLLM2, bf16, platform="cpu") == "xla"
-    with caplog.at_level(logging.WARNING, logger="jaxserve.attention_backends"):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.ops.attention_backends"):
         assert resolve_attention_backend("auto", SMOLLM2, EngineConfig(dtype="float32"), platform="gpu") == "xla"
         odd = ModelConfig(**{**TINY_LLAMA.__dict__, "head_dim": 16})
         assert resolve_attention_backend("auto", odd, bf16, platform="gpu") == "xla"
@@ -193,7 +193,7 @@ def test_auto_picks_pallas_for_a_gpu_only_when_the_model_fits(caplog):
 
 def test_a_bucket_that_fails_to_lower_is_reported_not_raised(monkeypatch):
     """check_lowering keeps going past a failing bucket and names the error in its row and summary."""
-    from jaxserve.model_runner import ModelRunner
+    from jaxserve.runner.model_runner import ModelRunner
 
     real_lower = ModelRunner.lower
 

@@ -1,6 +1,6 @@
 """Sampling: the on-device sampler against NumPy references, and the sampling parameters end to end.
 
-Direct tests call `jaxserve.sampling.sample` on hand-built SamplingTensors, padded exactly as the
+Direct tests call `jaxserve.ops.sampling.sample` on hand-built SamplingTensors, padded exactly as the
 model runner pads them (bias and history widths included), with one logit vector replicated over
 many rows that differ only in seed and position; frequencies are checked with a chi-square test on
 fixed seeds, so they are deterministic. Engine tests share one tiny random llama (byte tokenizer,
@@ -23,8 +23,8 @@ import torch
 import transformers
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.step_inputs import StepInputBuilder
-from jaxserve.sampling import SamplingTensors, apply_penalties, argmax, inverse_cdf_sample, sample
+from jaxserve.runner.step_inputs import StepInputBuilder
+from jaxserve.ops.sampling import SamplingTensors, apply_penalties, argmax, inverse_cdf_sample, sample
 
 VOCAB = 32  # direct tests; >= MAX_LOGPROBS, since the logprobs branch is traced for every call
 HISTORY_LEN = 128  # the model runner sizes `history` as max_model_len

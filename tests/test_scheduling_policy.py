@@ -11,7 +11,7 @@ import argparse
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine_config import EngineConfig, add_engine_flags, engine_config_from_args
+from jaxserve.config.engine_config import EngineConfig, add_engine_flags, engine_config_from_args
 
 ENGINE = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, block_size=8, num_kv_pages=32)
 PROMPTS = [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4, 5]}]

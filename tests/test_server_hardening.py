@@ -19,10 +19,12 @@ import threading
 import pytest
 from fastapi.testclient import TestClient
 
-from jaxserve import LLM, structured_output
-from jaxserve.engine_loop import EngineLoop
-from jaxserve.sampling import MAX_LOGIT_BIAS, MAX_STOP_STRING_LENGTH, MAX_STOP_STRINGS
-from jaxserve.structured_output import StructuredOutputsParams
+from jaxserve import LLM
+
+from jaxserve.core import structured_output
+from jaxserve.core.engine_loop import EngineLoop
+from jaxserve.ops.sampling import MAX_LOGIT_BIAS, MAX_STOP_STRING_LENGTH, MAX_STOP_STRINGS
+from jaxserve.core.structured_output import StructuredOutputsParams
 from server import errors as server_errors
 from server.app import CHAT_PAGE_HEADERS, check_allowed_hosts, create_app
 from server.errors import INTERNAL_ERROR
@@ -208,7 +210,7 @@ def test_an_unexpected_exception_is_a_500_in_the_openai_shape_without_internals(
         def source(self):
             raise RuntimeError("secret internal detail")
 
-    monkeypatch.setattr(app.state.jaxserve.engine, "model", Exploding())
+    monkeypatch.setattr(app.state.jaxserve.core.engine, "model", Exploding())
     response = client.get("/v1/models")
     error = _error(response, 500, None)
     assert error["message"] == INTERNAL_ERROR and "secret" not in response.text
@@ -271,7 +273,7 @@ def test_a_json_body_that_does_not_say_it_is_json_is_refused_unparsed(app, clien
         submitted.append(args)
         raise RuntimeError("the test's engine takes nothing")  # a 503, so a body that got here fails the test
 
-    monkeypatch.setattr(app.state.jaxserve.engine_loop, "submit", submit)
+    monkeypatch.setattr(app.state.jaxserve.core.engine_loop, "submit", submit)
     body = json.dumps(_completion()).encode()
     response = client.post("/v1/completions", content=body, headers=headers)
     assert 400 <= response.status_code < 500, (response.status_code, response.text)

@@ -23,7 +23,7 @@ import pytest
 
 from server_helpers import AUTH, SMALL_FLAGS, metric, metric_samples, parse_sse, run_server
 
-from jaxserve.engine_loop import FAULT_HANG_DIR_ENV
+from jaxserve.core.engine_loop import FAULT_HANG_DIR_ENV
 
 
 @contextlib.contextmanager

@@ -16,9 +16,9 @@ import pytest
 
 import tiny_models
 from gguf_files import write_gguf
-from jaxserve.engine_config import EngineConfig
-from jaxserve.model_runner import ModelRunner
-from jaxserve.tp_layout import HeadLayout, shard_params
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.parallel.tp_layout import HeadLayout, shard_params
 from jaxserve.weights import LazyTensor, load_model, save_checkpoint
 from jaxserve.weights.lazy import bytes_read, total_bytes
 

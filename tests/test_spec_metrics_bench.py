@@ -24,7 +24,7 @@ from tiny_models import byte_tokenizer
 from jaxserve.bench import serve, throughput
 from jaxserve.bench.datasets import GROUNDED_TEMPLATES, grounded_requests, requests_from_flags
 from jaxserve.bench.metrics import format_summary, format_sweep, spec_decode_counters, spec_decode_summary, summarize
-from jaxserve.speculative import SpecDecodeStats
+from jaxserve.spec_decode.speculative import SpecDecodeStats
 from server.metrics import Metrics
 
 

@@ -1,4 +1,4 @@
-"""Speculative decoding (`speculative_config`, jaxserve/speculative.py): drafts verified in the step.
+"""Speculative decoding (`speculative_config`, jaxserve/spec_decode/speculative.py): drafts verified in the step.
 
 Nothing a client sees may change but the speed: the workload of test_async_scheduling.py (every stop
 kind, min_tokens, penalties, logprobs, n > 1, logit_bias, max_tokens 1 and 2, chunked prefill, prefix
@@ -24,9 +24,9 @@ import scipy.stats
 import torch
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine_config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.errors import InvalidParameter
-from jaxserve.speculative import SpeculativeConfig, accepted_run, ngram_propose
+from jaxserve.spec_decode.speculative import SpeculativeConfig, accepted_run, ngram_propose
 from server_helpers import API_KEY, TINY_FLAGS, metric, metric_samples, run_server
 from test_async_scheduling import CONFIGS, assert_same_outputs, random_prompts, workload
 from tiny_models import make_tiny_model

@@ -20,10 +20,12 @@ import jsonschema
 import numpy as np
 import pytest
 
-from jaxserve import LLM, SamplingParams, StructuredOutputsParams, structured_output
+from jaxserve import LLM, SamplingParams, StructuredOutputsParams
+
+from jaxserve.core import structured_output
 from jaxserve.errors import InvalidParameter
-from jaxserve.sampling import apply_token_bitmask, sample
-from jaxserve.step_inputs import StepInputBuilder
+from jaxserve.ops.sampling import apply_token_bitmask, sample
+from jaxserve.runner.step_inputs import StepInputBuilder
 
 ENGINE = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128)  # test_default_model's shapes
 FIELDS = ["id", "name", "title", "city", "count", "price", "tags", "items", "owner", "status", "score", "level",
@@ -203,7 +205,7 @@ def test_the_sampler_and_its_vocabulary_split_honour_the_bitmask(branches):
     over two (tensor parallelism), and a row without a grammar is untouched."""
     from jax.sharding import Mesh, PartitionSpec as P
 
-    from jaxserve.tensor_parallel import vocab_sharded_sample
+    from jaxserve.parallel.tensor_parallel import vocab_sharded_sample
 
     vocab = 1000
     builder = StepInputBuilder(SimpleNamespace(vocab_size=vocab, eos_token_ids=(0,)),

@@ -18,13 +18,13 @@ import pytest
 
 import tiny_models
 from jaxserve import LLM, SamplingParams
-from jaxserve.compilation import num_compilations
-from jaxserve.engine_config import EngineConfig
-from jaxserve.model_runner import ModelRunner
+from jaxserve.runner.compilation import num_compilations
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.models.params import param_specs
 from jaxserve.models.transformer import forward
-from jaxserve.step_inputs import StepInputs
-from jaxserve.tp_layout import HeadLayout
+from jaxserve.runner.step_inputs import StepInputs
+from jaxserve.parallel.tp_layout import HeadLayout
 from jaxserve.weights import load_model
 from paged_helpers import SeqChunk, assign_pages, make_batch
 
@@ -137,7 +137,7 @@ def test_head_layout(heads, kv_heads, tp, q_per_device, kv_per_device, zero_q):
 
 
 def _tiny_config(heads: int, kv_heads: int):
-    from jaxserve.config import ModelConfig
+    from jaxserve.config.model_config import ModelConfig
 
     return ModelConfig.from_hf(tiny_models.hf_config("llama", num_attention_heads=heads, num_key_value_heads=kv_heads))
 

@@ -27,7 +27,7 @@ import transformers
 from gguf import GGMLQuantizationType as QType
 
 import tiny_models
-from jaxserve.config import ModelLoadError
+from jaxserve.config.model_config import ModelLoadError
 from jaxserve.models.transformer import forward, serving_params
 from jaxserve.weights import LoadedModel, default_model_path, gguf_tensor_types, load_model, save_checkpoint
 from gguf_files import hf_head_dim, write_gguf

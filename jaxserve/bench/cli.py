@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from jaxserve.bench import serve, throughput
-from jaxserve.engine_config import add_engine_flags
+from jaxserve.config.engine_config import add_engine_flags
 
 
 def _serve(args: argparse.Namespace) -> None:

@@ -52,7 +52,7 @@ def measure_matmul_flops(size: int = 2048, repeats: int = 10, dtype=jnp.float32)
 def measure_packed_matmul_flops(size: int = 2048, repeats: int = 10) -> float | None:
     """The same measurement through jaxserve's own CPU matmul (`cpu_ffi`), where it builds: the
     ceiling must not be lower than a matmul the engine itself runs."""
-    from jaxserve import cpu_ffi
+    from jaxserve.ops import cpu_ffi
 
     if jax.default_backend() != "cpu" or cpu_ffi.kernel_error():
         return None

@@ -17,13 +17,13 @@ import time
 
 from jaxserve.bench.datasets import add_dataset_flags, requests_from_flags
 from jaxserve.bench.metrics import format_spec_decode, spec_decode_summary
-from jaxserve.engine_config import engine_config_from_args
+from jaxserve.config.engine_config import engine_config_from_args
 
 
 def run(args: argparse.Namespace) -> dict:
     from jaxserve.bench.hardware import utilization_lines
     from jaxserve.llm import LLM
-    from jaxserve.sampling import SamplingParams
+    from jaxserve.ops.sampling import SamplingParams
 
     if args.hf_baseline and not args.ignore_eos:
         # HF's static batches generate every request's full length: jaxserve must too, or the ratio lies.

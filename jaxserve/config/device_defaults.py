@@ -17,8 +17,8 @@ import dataclasses
 import os
 from typing import NamedTuple
 
-from jaxserve.config import ModelConfig
-from jaxserve.engine_config import CPU, GPU, EngineConfig, KindDefaults
+from jaxserve.config.model_config import ModelConfig
+from jaxserve.config.engine_config import CPU, GPU, EngineConfig, KindDefaults
 
 
 # XLA's GPU allocator may take this share of each GPU (its own default is 75%): gpu_memory_utilization

@@ -15,23 +15,24 @@ import sys
 import threading
 import time
 
-from jaxserve.attention_backends import matmul_hint
-from jaxserve.compilation import enable_persistent_cache, forbid_compilation, num_compilations
-from jaxserve import device_defaults, multihost
-from jaxserve.device_defaults import DeviceInfo
-from jaxserve.engine_config import EngineConfig
-from jaxserve.detokenizer import IncrementalDetokenizer
-from jaxserve.device_batch import Slots
+from jaxserve.ops.attention_backends import matmul_hint
+from jaxserve.runner.compilation import enable_persistent_cache, forbid_compilation, num_compilations
+from jaxserve.config import device_defaults
+from jaxserve.distributed import multihost
+from jaxserve.config.device_defaults import DeviceInfo
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.core.detokenizer import IncrementalDetokenizer
+from jaxserve.runner.device_batch import Slots
 from jaxserve.errors import InvalidParameter
-from jaxserve.model_runner import ModelRunner
-from jaxserve.step_inputs import ScheduledSeq, StepInputs
-from jaxserve.tensor_parallel import request_cpu_devices
-from jaxserve.page_pool import PagePool
-from jaxserve.request import Request, RequestStatus
-from jaxserve.sampling import SamplerOutput, SamplingParams
-from jaxserve.scheduler import Scheduler, SchedulerOutput
-from jaxserve.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE, SpecDecodeStats, NgramProposer, accepted_run
-from jaxserve.structured_output import Grammars
+from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.step_inputs import ScheduledSeq, StepInputs
+from jaxserve.parallel.tensor_parallel import request_cpu_devices
+from jaxserve.runner.page_pool import PagePool
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.ops.sampling import SamplerOutput, SamplingParams
+from jaxserve.core.scheduler import Scheduler, SchedulerOutput
+from jaxserve.spec_decode.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE, SpecDecodeStats, NgramProposer, accepted_run
+from jaxserve.core.structured_output import Grammars
 from jaxserve.weights import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ def _make_proposer(spec, model_cfg, cfg: EngineConfig):
     """speculative_config's proposer, for a target model (its ModelConfig) served with cfg."""
     if spec.method == "ngram":
         return NgramProposer(spec)
-    from jaxserve.draft_model import DraftModelProposer  # loads a model: only when asked for
+    from jaxserve.spec_decode.draft_model import DraftModelProposer  # loads a model: only when asked for
 
     return DraftModelProposer(spec, model_cfg, cfg)
 

@@ -34,10 +34,10 @@ import queue
 import threading
 import time
 
-from jaxserve.engine import LLMEngine
+from jaxserve.core.engine import LLMEngine
 from jaxserve.errors import RequestFailed
-from jaxserve.request import Request, RequestStatus
-from jaxserve.sampling import SamplingParams
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.ops.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 MIN_ITERATION_TIMEOUT_S = 60.0  # the derived limit's floor: CI machines are slow and loaded

@@ -9,8 +9,8 @@ import dataclasses
 import enum
 import time
 
-from jaxserve.sampling import SamplingParams
-from jaxserve.structured_output import GrammarMatcher
+from jaxserve.ops.sampling import SamplingParams
+from jaxserve.core.structured_output import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):

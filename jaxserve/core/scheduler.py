@@ -20,9 +20,9 @@ import itertools
 import logging
 from typing import Callable
 
-from jaxserve.engine_config import EngineConfig
-from jaxserve.page_pool import PagePool
-from jaxserve.request import Request, RequestStatus
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.runner.page_pool import PagePool
+from jaxserve.core.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 

@@ -78,7 +78,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def replica_flags(args: argparse.Namespace, add_serve_flags) -> list[str]:
     """The `serve` flags of `args` that differ from their defaults, as a command line for one replica.
     `add_serve_flags`: server/main.py's, passed in so that this module does not import the server."""
-    from jaxserve.engine_config import add_engine_flags
+    from jaxserve.config.engine_config import add_engine_flags
 
     parser = argparse.ArgumentParser(add_help=False)
     add_engine_flags(parser, positional_model=True)

@@ -69,9 +69,9 @@ from typing import Callable
 import jax
 import numpy as np
 
-from jaxserve import step_channel as wire
-from jaxserve.engine_config import EngineConfig
-from jaxserve.step_channel import ChannelError
+from jaxserve.distributed import step_channel as wire
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.distributed.step_channel import ChannelError
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def initialize(cfg: EngineConfig) -> None:
               f"anyone who reaches {cfg.dist_init_addr.rsplit(':', 1)[0]}:{_step_address(cfg)[1]} during start-up "
               f"could join the group", file=sys.stderr, flush=True)
     warn_if_loopback(cfg)
-    from jaxserve.tensor_parallel import request_cpu_devices
+    from jaxserve.parallel.tensor_parallel import request_cpu_devices
 
     request_cpu_devices(cfg.tensor_parallel_size // cfg.nnodes)
     logger.info("joining %d processes at %s as rank %d", cfg.nnodes, cfg.dist_init_addr, cfg.node_rank)
@@ -514,7 +514,7 @@ def follow(runner, channel: FollowerChannel) -> int:
 def run_follower(model, cfg: EngineConfig, show_progress: bool = True) -> None:
     """A follower rank's whole life: load the model, place its slices, compile every bucket as the
     leader does, connect, and run the leader's steps until it goes."""
-    from jaxserve.model_runner import ModelRunner
+    from jaxserve.runner.model_runner import ModelRunner
     from jaxserve.weights import load_model
 
     secret = load_secret(cfg)

@@ -33,10 +33,10 @@ import struct
 
 import numpy as np
 
-from jaxserve.attention import AttentionMetadata
-from jaxserve.device_batch import RowUpdates
-from jaxserve.sampling import SamplingTensors
-from jaxserve.step_inputs import StepInputs
+from jaxserve.ops.attention import AttentionMetadata
+from jaxserve.runner.device_batch import RowUpdates
+from jaxserve.ops.sampling import SamplingTensors
+from jaxserve.runner.step_inputs import StepInputs
 
 MAGIC = b"JXS\x01"  # protocol version 1
 FRAME = struct.Struct("!4sBI")  # magic, message type, body length

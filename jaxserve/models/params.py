@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.config import ModelConfig
+from jaxserve.config.model_config import ModelConfig
 
 MODEL_AXIS = "model"  # the tensor-parallel axis of the mesh
 _COLUMNS = P(None, None, MODEL_AXIS)  # a stacked [L, in, out] matrix split by output columns

@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.attention import AttentionMetadata
-from jaxserve.attention_backends import paged_attention, write_kv
-from jaxserve.config import ModelConfig
-from jaxserve.cpu_ffi import PackedWeight, matmul, silu_gated_matmul
+from jaxserve.ops.attention import AttentionMetadata
+from jaxserve.ops.attention_backends import paged_attention, write_kv
+from jaxserve.config.model_config import ModelConfig
+from jaxserve.ops.cpu_ffi import PackedWeight, matmul, silu_gated_matmul
 
 KVCache = tuple[jax.Array, jax.Array]  # (k_pages, v_pages), see attention.py for the layout
 

@@ -1,7 +1,7 @@
 """Which attention implementation runs, decided once at engine start, and the one call that runs it;
 and which matmul (`resolve_matmul_backend`).
 
-  xla               `jaxserve.attention.ragged_paged_attention`: pure JAX, any platform, the reference.
+  xla               `jaxserve.ops.attention.ragged_paged_attention`: pure JAX, any platform, the reference.
   cpu               the same contract, every row (decode rows and prompt chunks) computed by the C++ kernel
                     of `cpu_ffi.py` (XLA:CPU, float32 KV pages; built with the machine's C++
                     compiler on first use).
@@ -24,10 +24,10 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from jaxserve.attention import AttentionMetadata, ragged_paged_attention
-from jaxserve.attention import write_kv as xla_write_kv
-from jaxserve.config import ModelConfig
-from jaxserve.engine_config import ATTENTION_BACKENDS, MATMUL_BACKENDS, EngineConfig
+from jaxserve.ops.attention import AttentionMetadata, ragged_paged_attention
+from jaxserve.ops.attention import write_kv as xla_write_kv
+from jaxserve.config.model_config import ModelConfig
+from jaxserve.config.engine_config import ATTENTION_BACKENDS, MATMUL_BACKENDS, EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def _cpu_kernel_error(engine_cfg: EngineConfig, platform: str) -> str | None:
         return f"it runs on a CPU (this is {platform})"
     if jnp.dtype(engine_cfg.dtype) != jnp.float32:
         return f"it reads float32 weights and KV pages (the engine runs {engine_cfg.dtype})"
-    from jaxserve.cpu_ffi import kernel_error
+    from jaxserve.ops.cpu_ffi import kernel_error
 
     return kernel_error()
 
@@ -141,7 +141,7 @@ def paired_attention_backend(attention: str, matmul: str) -> str:
 def matmul_hint(requested: str, resolved: str) -> str | None:
     """The start-up line pointing at "cpu-bf16" where "auto" chose float32 on a CPU that multiplies
     bfloat16 at twice float32's rate; None elsewhere."""
-    from jaxserve.cpu_ffi import bf16_dot_instructions
+    from jaxserve.ops.cpu_ffi import bf16_dot_instructions
 
     if requested != "auto" or resolved != "cpu" or not bf16_dot_instructions():
         return None
@@ -154,7 +154,7 @@ def write_kv(k_pages, v_pages, layer, k, v, slot_mapping, *, backend: str = "xla
     XLA scatter; with the C++ attention backends and bfloat16 pages, the C++ writer, since XLA:CPU
     widens the whole array around a bfloat16 scatter)."""
     if backend in ("cpu", "cpu-bf16") and k_pages.dtype == jnp.bfloat16:
-        from jaxserve.cpu_ffi import write_bf16_pages
+        from jaxserve.ops.cpu_ffi import write_bf16_pages
 
         return write_bf16_pages(k_pages, v_pages, layer, k, v, slot_mapping)
     return xla_write_kv(k_pages, v_pages, layer, k, v, slot_mapping)
@@ -199,7 +199,7 @@ def _cpu_kernel_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *, 
     """Every query row (decode rows and prompt-chunk rows alike) to the C++ kernel of `cpu_ffi.py`, one
     call per layer: it needs each row's sequence and causal key count, which the ragged metadata
     gives per sequence."""
-    from jaxserve.cpu_ffi import paged_row_attention
+    from jaxserve.ops.cpu_ffi import paged_row_attention
 
     num_tokens = q.shape[0]
     rows = jnp.arange(num_tokens, dtype=jnp.int32)

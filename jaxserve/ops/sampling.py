@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.errors import InvalidParameter
-from jaxserve.structured_output import StructuredOutputsParams
+from jaxserve.core.structured_output import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default max_logprobs
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request

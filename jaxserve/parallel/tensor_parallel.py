@@ -25,12 +25,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.config import ModelConfig
-from jaxserve.cpu_ffi import PackedWeight
+from jaxserve.config.model_config import ModelConfig
+from jaxserve.ops.cpu_ffi import PackedWeight
 from jaxserve.models.params import MODEL_AXIS, param_specs
 from jaxserve.models.transformer import forward, init_kv_cache
-from jaxserve.sampling import SamplerOutput, SamplingTensors, argmax, choose, no_logprobs, sample
-from jaxserve.tp_layout import HeadLayout, shard_params
+from jaxserve.ops.sampling import SamplerOutput, SamplingTensors, argmax, choose, no_logprobs, sample
+from jaxserve.parallel.tp_layout import HeadLayout, shard_params
 
 KV_SPEC = P(None, None, None, MODEL_AXIS, None)  # [num_layers, num_pages, page_size, KVH, D]: by KV head
 VOCAB_SPEC = P(None, MODEL_AXIS)  # logits [S, V]: by vocabulary

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import ModelConfig
+from jaxserve.config.model_config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Callable, Hashable
 
 import jax
 
-from jaxserve import cache_dirs
+from jaxserve.config import cache_dirs
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _lock = threading.Lock()

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.sampling import SamplingTensors
+from jaxserve.ops.sampling import SamplingTensors
 
 
 class BatchState(NamedTuple):

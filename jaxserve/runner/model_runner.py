@@ -24,17 +24,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import compilation, device_batch, device_defaults, step_inputs
-from jaxserve.attention_backends import paired_attention_backend, resolve_attention_backend, resolve_matmul_backend
-from jaxserve.config import ModelConfig
-from jaxserve.device_defaults import DeviceInfo, MemoryUse
-from jaxserve.engine_config import EngineConfig
+from jaxserve.runner import compilation
+
+from jaxserve.runner import device_batch
+
+from jaxserve.config import device_defaults
+
+from jaxserve.runner import step_inputs
+from jaxserve.ops.attention_backends import paired_attention_backend, resolve_attention_backend, resolve_matmul_backend
+from jaxserve.config.model_config import ModelConfig
+from jaxserve.config.device_defaults import DeviceInfo, MemoryUse
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.models.transformer import (forward, init_kv_cache, rope_position_tables,
                                          serving_params)
-from jaxserve.sampling import SamplerOutput, sample
-from jaxserve.device_batch import BatchState
-from jaxserve.step_inputs import ScheduledSeq, StepInputBuilder, StepInputs
-from jaxserve.tensor_parallel import TensorParallel
+from jaxserve.ops.sampling import SamplerOutput, sample
+from jaxserve.runner.device_batch import BatchState
+from jaxserve.runner.step_inputs import ScheduledSeq, StepInputBuilder, StepInputs
+from jaxserve.parallel.tensor_parallel import TensorParallel
 from jaxserve.weights import lazy
 
 logger = logging.getLogger(__name__)

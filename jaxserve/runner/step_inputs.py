@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.attention import AttentionMetadata
-from jaxserve.config import ModelConfig
-from jaxserve.device_batch import RowUpdates
-from jaxserve.engine_config import EngineConfig
-from jaxserve.sampling import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams, SamplingTensors
+from jaxserve.ops.attention import AttentionMetadata
+from jaxserve.config.model_config import ModelConfig
+from jaxserve.runner.device_batch import RowUpdates
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.ops.sampling import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams, SamplingTensors
 
 DUMMY_PAGE = 0
 

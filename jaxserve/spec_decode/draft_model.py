@@ -22,16 +22,16 @@ import logging
 
 import jax
 
-from jaxserve import device_defaults
-from jaxserve.config import ModelConfig
-from jaxserve.engine_config import EngineConfig
+from jaxserve.config import device_defaults
+from jaxserve.config.model_config import ModelConfig
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.errors import InvalidParameter
-from jaxserve.model_runner import ModelRunner
-from jaxserve.page_pool import PagePool
-from jaxserve.request import Request, RequestStatus
-from jaxserve.sampling import SamplingParams
-from jaxserve.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
-from jaxserve.step_inputs import ScheduledSeq
+from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.page_pool import PagePool
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.ops.sampling import SamplingParams
+from jaxserve.spec_decode.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
+from jaxserve.runner.step_inputs import ScheduledSeq
 from jaxserve.weights import load_model
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ a seeded request draws the same tokens with speculation on or off (up to the rou
 pass).
 
 Proposers: `NgramProposer` (prompt lookup: the tokens that followed the latest earlier occurrence of
-the sequence's last n tokens) and `jaxserve.draft_model.DraftModelProposer` (a smaller model with the
+the sequence's last n tokens) and `jaxserve.spec_decode.draft_model.DraftModelProposer` (a smaller model with the
 same vocabulary, its own page pool, proposing greedily).
 """
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import ModelConfig
-from jaxserve.device_defaults import DeviceInfo, resolve_dtype
-from jaxserve.engine_config import EngineConfig
-from jaxserve.model_runner import ModelRunner
+from jaxserve.config.model_config import ModelConfig
+from jaxserve.config.device_defaults import DeviceInfo, resolve_dtype
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.models.params import param_shapes as model_param_shapes
 
 PLATFORMS = {"cuda": "gpu", "cpu": "cpu"}  # lowering platform -> JAX backend name

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.config import ModelLoadError
+from jaxserve.config.model_config import ModelLoadError
 from jaxserve.models.params import param_shapes
 from jaxserve.weights import LoadedModel
 from jaxserve.weights.hf import HF_GLOBAL_NAMES, hf_layer_names, to_hf

@@ -18,7 +18,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from jaxserve.config import ModelLoadError
+from jaxserve.config.model_config import ModelLoadError
 from jaxserve.weights.dummy import load_dummy
 from jaxserve.weights.gguf import gguf_tensor_types, load_gguf, load_gguf_tokenizer
 from jaxserve.weights.hf import load_hf_dir, load_tokenizer_dir

@@ -28,8 +28,8 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from jaxserve.cache_dirs import cache_dir, warn_without_cache
-from jaxserve.config import ModelConfig, ModelLoadError
+from jaxserve.config.cache_dirs import cache_dir, warn_without_cache
+from jaxserve.config.model_config import ModelConfig, ModelLoadError
 from jaxserve.weights.hf import SafetensorsFiles, load_tokenizer_dir
 from jaxserve.weights.loaded import CHECKPOINT_MARKER, LoadedModel, config_from_dict
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import ModelConfig, ModelLoadError
+from jaxserve.config.model_config import ModelConfig, ModelLoadError
 from jaxserve.models.params import param_shapes
 from jaxserve.weights.hf import hf_dir_config, load_tokenizer_dir
 from jaxserve.weights.loaded import LoadedModel

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.config import ModelConfig, ModelLoadError
+from jaxserve.config.model_config import ModelConfig, ModelLoadError
 from jaxserve.weights import cache
 from jaxserve.weights.hf import load_tokenizer_dir, params_from_hf
 from jaxserve.weights.lazy import LazyTensor

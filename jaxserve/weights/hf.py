@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxserve.config import ModelConfig, ModelLoadError
+from jaxserve.config.model_config import ModelConfig, ModelLoadError
 from jaxserve.models.params import param_shapes
 from jaxserve.weights import lazy
 from jaxserve.weights.lazy import LazyTensor

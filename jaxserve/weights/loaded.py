@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from jaxserve.config import ModelConfig, RopeConfig
+from jaxserve.config.model_config import ModelConfig, RopeConfig
 
 CHECKPOINT_MARKER = "jaxserve_model.json"
 

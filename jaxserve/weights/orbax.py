@@ -12,7 +12,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from jaxserve.config import ModelLoadError
+from jaxserve.config.model_config import ModelLoadError
 from jaxserve.weights.hf import load_tokenizer_dir
 from jaxserve.weights.lazy import LazyTensor
 from jaxserve.weights.loaded import CHECKPOINT_MARKER, LoadedModel, config_from_dict
