@@ -70,7 +70,7 @@ def engine_phases(engine, prompts: np.ndarray, decode_steps: int, async_scheduli
     the others are still prompts: so every request may generate until all B have their first token, then
     exactly `decode_steps` steps are timed, each with all B decoding, and the requests are aborted."""
     from jaxserve.core.engine import STEP_PHASES
-    from jaxserve.ops.sampling import SamplingParams
+    from jaxserve.config.sampling_params import SamplingParams
 
     runner = engine.runner
     engine.async_scheduling = async_scheduling
@@ -161,7 +161,7 @@ class JaxserveBench:
     def cases(self, prompts: np.ndarray) -> Cases:
         """prompts [B, P] int32. Prefill must run before decode (decode feeds on its sampled ids)."""
         from jaxserve.runner.step_inputs import ScheduledSeq
-        from jaxserve.ops.sampling import SamplingParams
+        from jaxserve.config.sampling_params import SamplingParams
 
         greedy = SamplingParams(temperature=0.0)
         self.free_tables()

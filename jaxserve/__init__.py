@@ -1,8 +1,8 @@
 """jaxserve: a JAX/XLA inference engine for large language models, with an OpenAI-compatible server."""
 
 from jaxserve.llm import LLM, CompletionOutput, RequestOutput
-from jaxserve.ops.sampling import SamplingParams
-from jaxserve.core.structured_output import StructuredOutputsParams
+from jaxserve.config.sampling_params import SamplingParams
+from jaxserve.config.sampling_params import StructuredOutputsParams
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

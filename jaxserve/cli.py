@@ -26,7 +26,7 @@ def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int | None)
 
 
 def _sampling_params(args: argparse.Namespace):
-    from jaxserve.ops.sampling import SamplingParams
+    from jaxserve.config.sampling_params import SamplingParams
 
     return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.sampling_seed)
 

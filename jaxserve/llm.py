@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from jaxserve.config.engine_config import engine_config_from_kwargs
 from jaxserve.core.engine import LLMEngine
 from jaxserve.core.request import Request
-from jaxserve.ops.sampling import SamplingParams
+from jaxserve.config.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Callable, TypeVar
 
 from jaxserve.core.engine_loop import EngineLoop, EngineStuck, RequestStream, StreamDelta
 from jaxserve.errors import InvalidParameter
-from jaxserve.ops.sampling import SamplingParams
+from jaxserve.config.sampling_params import SamplingParams
 from server.errors import APIError
 from server.metrics import Metrics
 

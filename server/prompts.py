@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 
 from jaxserve.errors import InvalidParameter
-from jaxserve.ops.sampling import SamplingParams
-from jaxserve.core.structured_output import StructuredOutputsParams
+from jaxserve.config.sampling_params import SamplingParams
+from jaxserve.config.sampling_params import StructuredOutputsParams
 from server.admission import ServerState
 from server.errors import APIError
 from server.protocol import ChatMessage, SamplingFields

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from jaxserve.errors import InvalidParameter
-from jaxserve.core.structured_output import StructuredOutputsParams
+from jaxserve.config.sampling_params import StructuredOutputsParams
 from server.admission import ServerState
 from server.errors import APIError
 from server.protocol import SamplingFields

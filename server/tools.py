@@ -16,7 +16,7 @@ import copy
 import dataclasses
 import json
 
-from jaxserve.core.structured_output import StructuredOutputsParams
+from jaxserve.config.sampling_params import StructuredOutputsParams
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest, NamedToolChoice
 from server.structured import Constraint, compile_constraint, requested_constraint

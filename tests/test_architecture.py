@@ -1,4 +1,8 @@
-"""The module graph's two rules, read from the source with `ast` (nothing is imported):
+"""The module graph's three rules, read from the source with `ast` (nothing is imported):
+
+- Layers import only downward. `LAYERS` below declares them once, top to bottom: a module may import
+  its own group and any layer below it, never a layer above, nor another group of its own layer.
+  Every module of the project belongs to exactly one group (the longest prefix that names it).
 
 - No module uses another module's private (`_name`) name: not `from X import _name`, not `X._name`
   after `import X`. A private module (`_name.py`) is private to its package: its
@@ -31,6 +35,35 @@ def _module_names() -> dict[str, Path]:
 
 
 MODULES = _module_names()
+
+# Top to bottom. A layer is a tuple of groups; a group is a tuple of module prefixes ("jaxserve" itself
+# names only the package's `__init__`). Groups of one layer are independent of each other.
+LAYERS = (
+    (("jaxserve.cli",),),  # the command line: serves, benchmarks, converts
+    (("server", "jaxserve", "jaxserve.llm", "jaxserve.bench", "jaxserve.tools"),),  # the public edges
+    (("jaxserve.core",),),  # the engine core: requests, scheduler, engine, its loop
+    (("jaxserve.spec_decode",), ("jaxserve.distributed",)),  # speculative decoding | scale-out
+    (("jaxserve.runner",),),  # the device side of a step
+    (("jaxserve.models", "jaxserve.weights", "jaxserve.parallel"),),  # the model, its weights, its sharding
+    (("jaxserve.ops", "pallas_kernels"),),  # attention, kernels, the sampler
+    (("jaxserve.config", "jaxserve.errors"),),  # settings
+)
+
+
+def _layer_of(module: str) -> tuple[int, int] | None:
+    """(layer, group) of a project module, by the longest prefix naming it; None for tests."""
+    best, best_length = None, -1
+    for layer, groups in enumerate(LAYERS):
+        for group, prefixes in enumerate(groups):
+            for prefix in prefixes:
+                names = module == prefix or (prefix != "jaxserve" and module.startswith(prefix + "."))
+                if names and len(prefix) > best_length:
+                    best, best_length = (layer, group), len(prefix)
+    return best
+
+
+def _project_modules() -> list[str]:
+    return [m for m, path in MODULES.items() if path.relative_to(REPO_ROOT).parts[0] in PACKAGES]
 
 
 def _is_private(name: str) -> bool:
@@ -116,6 +149,20 @@ def _import_graph() -> dict[str, set[str]]:
     return graph
 
 
+def _upward_imports(module: str, tree: ast.Module | None = None) -> list[str]:
+    tree = _parse(module) if tree is None else tree
+    here, found = _layer_of(module), []
+    for line, imported, _, _ in _imports(module, tree):
+        target = imported if imported in MODULES else imported.split(".")[0]
+        there = _layer_of(target)
+        if there is None or there == here or there[0] > here[0]:
+            continue
+        why = "a layer above" if there[0] < here[0] else "another group of its layer"
+        found.append(f"{MODULES[module].relative_to(REPO_ROOT)}:{line} imports {target} ({why}: "
+                     f"layer {there[0]} {LAYERS[there[0]][there[1]]} from layer {here[0]} {LAYERS[here[0]][here[1]]})")
+    return found
+
+
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components with more than one module (Tarjan), each as a sorted list."""
     index, low, on_stack, stack, components = {}, {}, set(), [], []
@@ -156,6 +203,15 @@ def test_the_checks_see_what_they_are_meant_to_see():
     assert "jaxserve.core.engine" in _import_graph()["server.main"]
     fake = ast.parse("from jaxserve.weights import _hidden\nimport jaxserve.ops.cpu_ffi as ffi\n"
                      "def f():\n    from jaxserve.config import model_config\n    return ffi._lib, model_config._rope_config\n")
+    # an upward import, even inside a function, is reported; one within the group or downward is not
+    upward = ast.parse("import jax\nfrom jaxserve.config.engine_config import EngineConfig\n"
+                       "from jaxserve.ops import attention\ndef f():\n    from jaxserve.core.engine import LLMEngine\n")
+    assert [u.split(" ", 1)[1].split(" (")[0] for u in _upward_imports("jaxserve.ops.sampling", upward)] == \
+        ["imports jaxserve.core.engine"]
+    sideways = ast.parse("from jaxserve.distributed import multihost\n")
+    assert "another group" in _upward_imports("jaxserve.spec_decode.draft_model", sideways)[0]
+    assert _layer_of("jaxserve") == (1, 0) and _layer_of("jaxserve.config.model_config") == (7, 0)
+    assert _layer_of("jaxserve.core.engine") == (2, 0) and _layer_of("test_engine") is None
     uses = _private_uses("jaxserve.llm", fake)
     assert [u.split(" ", 1)[1] for u in uses] == ["imports jaxserve.weights._hidden", "uses jaxserve.ops.cpu_ffi._lib",
                                                   "uses jaxserve.config.model_config._rope_config"]
@@ -170,3 +226,14 @@ def test_the_import_graph_has_no_cycles():
     cycles = _cycles(_import_graph())
     assert not cycles, "modules that import one another in a cycle (function-level imports included):\n" + \
         "\n".join(map(", ".join, cycles))
+
+
+def test_every_module_has_one_layer():
+    missing = [module for module in _project_modules() if _layer_of(module) is None]
+    assert not missing, "modules in no layer (add them to LAYERS):\n" + "\n".join(missing)
+
+
+def test_layers_import_only_downward():
+    found = [use for module in _project_modules() for use in _upward_imports(module)]
+    assert not found, "imports against the layer order (move the function to the layer that owns it):\n" + \
+        "\n".join(found)

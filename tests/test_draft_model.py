@@ -27,7 +27,7 @@ from jaxserve.runner.compilation import forbid_compilation, num_compilations
 from jaxserve.spec_decode.draft_model import DraftModelProposer, draft_engine_config
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.spec_decode.speculative import SpeculativeConfig
+from jaxserve.config.speculative import SpeculativeConfig
 from jaxserve.weights import load_model
 from tiny_models import make_tiny_model
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.spec_decode.speculative import SpeculativeConfig
+from jaxserve.config.speculative import SpeculativeConfig
 
 from jaxserve import LLM
 from jaxserve.cli import build_parser

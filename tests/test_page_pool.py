@@ -12,7 +12,7 @@ import pytest
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.runner.page_pool import PagePool, hash_page
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.ops.sampling import SamplingParams
+from jaxserve.config.sampling_params import SamplingParams
 from jaxserve.core.scheduler import Scheduler
 
 PS = 4  # page size used throughout

@@ -23,8 +23,8 @@ from jaxserve import LLM
 
 from jaxserve.core import structured_output
 from jaxserve.core.engine_loop import EngineLoop
-from jaxserve.ops.sampling import MAX_LOGIT_BIAS, MAX_STOP_STRING_LENGTH, MAX_STOP_STRINGS
-from jaxserve.core.structured_output import StructuredOutputsParams
+from jaxserve.config.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_STRING_LENGTH, MAX_STOP_STRINGS
+from jaxserve.config.sampling_params import StructuredOutputsParams
 from server import errors as server_errors
 from server.app import CHAT_PAGE_HEADERS, check_allowed_hosts, create_app
 from server.errors import INTERNAL_ERROR

@@ -26,7 +26,8 @@ import torch
 from jaxserve import LLM, SamplingParams
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.errors import InvalidParameter
-from jaxserve.spec_decode.speculative import SpeculativeConfig, accepted_run, ngram_propose
+from jaxserve.config.speculative import SpeculativeConfig
+from jaxserve.spec_decode.speculative import accepted_run, ngram_propose
 from server_helpers import API_KEY, TINY_FLAGS, metric, metric_samples, run_server
 from test_async_scheduling import CONFIGS, assert_same_outputs, random_prompts, workload
 from tiny_models import make_tiny_model

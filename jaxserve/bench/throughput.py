@@ -23,7 +23,7 @@ from jaxserve.config.engine_config import engine_config_from_args
 def run(args: argparse.Namespace) -> dict:
     from jaxserve.bench.hardware import utilization_lines
     from jaxserve.llm import LLM
-    from jaxserve.ops.sampling import SamplingParams
+    from jaxserve.config.sampling_params import SamplingParams
 
     if args.hf_baseline and not args.ignore_eos:
         # HF's static batches generate every request's full length: jaxserve must too, or the ratio lies.

@@ -20,7 +20,7 @@ import dataclasses
 import re
 from typing import Any, Callable
 
-from jaxserve.spec_decode.speculative import SpeculativeConfig
+from jaxserve.config.speculative import SpeculativeConfig
 
 
 @dataclasses.dataclass(frozen=True)

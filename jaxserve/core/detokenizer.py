@@ -11,7 +11,7 @@ import logging
 
 from tokenizers.decoders import DecodeStream
 
-from jaxserve.ops.sampling import SamplingParams
+from jaxserve.config.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 _PROMPT_CONTEXT = 4  # prompt tokens fed first so the first output token decodes with its spacing

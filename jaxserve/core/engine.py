@@ -29,9 +29,11 @@ from jaxserve.runner.step_inputs import ScheduledSeq, StepInputs
 from jaxserve.parallel.tensor_parallel import request_cpu_devices
 from jaxserve.runner.page_pool import PagePool
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.ops.sampling import SamplerOutput, SamplingParams
+from jaxserve.ops.sampling import SamplerOutput
+from jaxserve.config.sampling_params import SamplingParams
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
-from jaxserve.spec_decode.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE, SpecDecodeStats, NgramProposer, accepted_run
+from jaxserve.config.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE
+from jaxserve.spec_decode.speculative import SpecDecodeStats, NgramProposer, accepted_run
 from jaxserve.core.structured_output import Grammars
 from jaxserve.weights import LoadedModel, load_model
 

@@ -37,7 +37,7 @@ import time
 from jaxserve.core.engine import LLMEngine
 from jaxserve.errors import RequestFailed
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.ops.sampling import SamplingParams
+from jaxserve.config.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 MIN_ITERATION_TIMEOUT_S = 60.0  # the derived limit's floor: CI machines are slow and loaded

@@ -9,7 +9,7 @@ import dataclasses
 import enum
 import time
 
-from jaxserve.ops.sampling import SamplingParams
+from jaxserve.config.sampling_params import SamplingParams
 from jaxserve.core.structured_output import GrammarMatcher
 
 
@@ -69,6 +69,10 @@ class Request:
             return ()
         eos = () if params.ignore_eos else self.eos_token_ids
         return tuple(dict.fromkeys([*eos, *params.stop_token_ids]))
+
+    @property
+    def is_running(self) -> bool:
+        return self.status is RequestStatus.RUNNING
 
     @property
     def num_tokens(self) -> int:

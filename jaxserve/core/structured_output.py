@@ -16,90 +16,15 @@ What this module does not own: which requests run (scheduler.py), the device arr
 from __future__ import annotations
 
 import collections
-import dataclasses
-import json
 import threading
 
 import numpy as np
 
+from jaxserve.config.sampling_params import PARAM, StructuredOutputsParams
 from jaxserve.errors import InvalidParameter
 
-PARAM = "structured_outputs"
-_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _CACHE_SIZE = 256  # compiled grammars kept, by source
 _PARALLEL_FILL_ROWS = 4  # fewer constrained rows than this fill their masks on the calling thread
-
-
-@dataclasses.dataclass(frozen=True)
-class StructuredOutputsParams:
-    """One constraint on a request's output (vLLM's `StructuredOutputsParams`): exactly one of
-    json (a JSON schema, as a dict or its JSON text), regex, choice (the output is one of these strings),
-    grammar (Lark, or llama.cpp's GBNF) or json_object (any JSON object).
-    JSON is written on one line, with Python's separators (`{"a": 1, "b": [2, 3]}`): free whitespace lets
-    a small model fall into runs of newlines and indentation that end only at max_tokens, with JSON that
-    does not parse. whitespace_pattern: a regex for the whitespace allowed between JSON tokens instead
-    (vLLM's field). disable_any_whitespace (vLLM's) is accepted: it asks for what is already the default."""
-
-    json: str | dict | None = None
-    regex: str | None = None
-    choice: tuple[str, ...] | list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    disable_any_whitespace: bool = False
-    whitespace_pattern: str | None = None
-    # (the Grammars, its compiled LLMatcher), set by `Grammars.compile`. Not a field (no annotation), so not
-    # part of the value: never compared, hashed, shown, copied or pickled.
-    _compiled = None
-
-    def __post_init__(self):
-        given = [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]
-        if len(given) != 1:
-            raise InvalidParameter(PARAM, "structured_outputs needs exactly one of json, regex, choice, grammar or "
-                                          f"json_object; got {', '.join(given) if given else 'none'}")
-        if self.choice is not None:
-            choice = self.choice
-            if not (isinstance(choice, (list, tuple)) and choice and all(isinstance(c, str) for c in choice)):
-                raise InvalidParameter(PARAM, "choice must be a non-empty list of strings")
-            object.__setattr__(self, "choice", tuple(choice))
-        for kind in ("regex", "grammar"):
-            value = getattr(self, kind)
-            if value is not None and not (isinstance(value, str) and value):
-                raise InvalidParameter(PARAM, f"{kind} must be a non-empty string")
-        if isinstance(self.json, dict):  # hashable, and one cache entry whatever the key order
-            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
-
-    def __getstate__(self) -> dict:
-        return {name: value for name, value in self.__dict__.items() if name != "_compiled"}
-
-    @property
-    def kind(self) -> str:
-        return next(kind for kind in _KINDS if getattr(self, kind) not in (None, False))
-
-    def llguidance_grammar(self) -> str:
-        """This constraint as an llguidance grammar (not yet checked against a tokenizer)."""
-        from llguidance import LLMatcher, grammar_from
-
-        if self.regex is not None:
-            return LLMatcher.grammar_from_regex(self.regex)
-        if self.choice is not None:
-            return grammar_from("choice", json.dumps(list(self.choice)))
-        if self.grammar is not None:
-            return grammar_from("grammar", self.grammar)
-        schema = {"type": "object"} if self.json_object else _parse_schema(self.json)
-        options = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
-        if self.whitespace_pattern is not None:
-            options = {"whitespace_flexible": True, "whitespace_pattern": self.whitespace_pattern}
-        return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)
-
-
-def _parse_schema(text: str) -> dict | bool:
-    try:
-        schema = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InvalidParameter(PARAM, f"the JSON schema is not valid JSON: {e}") from None
-    if not isinstance(schema, (dict, bool)):
-        raise InvalidParameter(PARAM, f"a JSON schema must be an object or a boolean, got {type(schema).__name__}")
-    return schema
 
 
 class GrammarMatcher:

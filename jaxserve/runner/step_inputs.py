@@ -23,7 +23,8 @@ from jaxserve.ops.attention import AttentionMetadata
 from jaxserve.config.model_config import ModelConfig
 from jaxserve.runner.device_batch import RowUpdates
 from jaxserve.config.engine_config import EngineConfig
-from jaxserve.ops.sampling import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams, SamplingTensors
+from jaxserve.ops.sampling import SamplingTensors
+from jaxserve.config.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 DUMMY_PAGE = 0
 

@@ -28,9 +28,9 @@ from jaxserve.config.engine_config import EngineConfig
 from jaxserve.errors import InvalidParameter
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.page_pool import PagePool
-from jaxserve.core.request import Request, RequestStatus
-from jaxserve.ops.sampling import SamplingParams
-from jaxserve.spec_decode.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
+from jaxserve.config.sampling_params import SamplingParams
+from jaxserve.config.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
+from jaxserve.spec_decode.speculative import ProposalRequest
 from jaxserve.runner.step_inputs import ScheduledSeq
 from jaxserve.weights import load_model
 
@@ -106,7 +106,7 @@ class DraftModelProposer:
                                   draft.params)
         self.pool = PagePool(self.runner.num_pages, self.runner.cfg.block_size, enable_prefix_caching=False)
         self.max_num_seqs = self.runner.cfg.max_num_seqs
-        self.seqs: dict[Request, _DraftSeq] = {}
+        self.seqs: dict[ProposalRequest, _DraftSeq] = {}
         logger.info("draft model %s: %d layers, hidden %d; its KV cache %d pages of %d tokens", draft.source,
                     cfg.num_layers, cfg.hidden_size, self.runner.num_pages - 1, self.runner.cfg.block_size)
 
@@ -114,7 +114,7 @@ class DraftModelProposer:
         """Compiles the draft's buckets; the number of executables."""
         return self.runner.warmup(show_progress)["num_executables"]
 
-    def propose(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
+    def propose(self, requests: list[ProposalRequest], limits: list[int]) -> list[list[int]]:
         """Up to limits[i] greedy draft tokens for each request (none where the draft's pool is full)."""
         self._drop_gone()
         drafts: list[list[int]] = [[] for _ in requests]
@@ -128,11 +128,11 @@ class DraftModelProposer:
     def _drop_gone(self) -> None:
         """Frees the pages of requests no longer running, or running again since a preemption."""
         for request, seq in list(self.seqs.items()):
-            if request.status is not RequestStatus.RUNNING or request.num_admissions != seq.num_admissions:
+            if not request.is_running or request.num_admissions != seq.num_admissions:
                 self.pool.free(seq.block_table)
                 del self.seqs[request]
 
-    def _make_room(self, request: Request, limit: int) -> bool:
+    def _make_room(self, request: ProposalRequest, limit: int) -> bool:
         """Cuts the request's draft K/V back to its common prefix with the request's tokens and takes the
         pages its catch-up and limit - 1 fed drafts need; False (no drafts now) if too few are free."""
         seq = self.seqs.get(request)
@@ -155,7 +155,7 @@ class DraftModelProposer:
         return ScheduledSeq(token_ids=token_ids, num_computed_tokens=len(seq.token_ids), block_table=seq.block_table,
                             params=_GREEDY, seed=0, samples=samples)
 
-    def _propose_group(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
+    def _propose_group(self, requests: list[ProposalRequest], limits: list[int]) -> list[list[int]]:
         """The drafts of at most max_num_seqs requests, each with room for them in the pool."""
         seqs = [self.seqs[request] for request in requests]
         tokens = [request.all_token_ids for request in requests]

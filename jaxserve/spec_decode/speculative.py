@@ -21,75 +21,28 @@ same vocabulary, its own page pool, proposing greedily).
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Protocol
 
 import numpy as np
 
-from jaxserve.errors import InvalidParameter
-
-METHODS = ("ngram", "draft_model")
+from jaxserve.config.speculative import SpeculativeConfig
 
 
-@dataclasses.dataclass(frozen=True)
-class SpeculativeConfig:
-    """vLLM's `speculative_config` (the JSON of `--speculative-config`)."""
+class ProposalRequest(Protocol):
+    """What a proposer reads of a request (the engine core's `Request`, which this layer does not import)."""
 
-    method: str = "ngram"
-    num_speculative_tokens: int = 4
-    prompt_lookup_min: int | None = None  # ngram: the shortest suffix looked up (default: prompt_lookup_max)
-    prompt_lookup_max: int | None = None  # ngram: the longest (default: prompt_lookup_min, or 5 if both unset)
-    model: str | None = None  # draft_model: its directory, GGUF file or checkpoint
-    # Steps whose batch holds more running sequences than this do not speculate (None: the default below,
-    # chosen from docs/benchmarks.md's measurement)
-    disable_by_batch_size: int | None = None
+    request_id: str
+    num_admissions: int  # how many times it was admitted: a proposer's state from before a preemption is stale
 
-    def __post_init__(self):
-        def check(ok: bool, message: str):
-            if not ok:
-                raise InvalidParameter("speculative_config", f"speculative_config: {message}")
+    @property
+    def all_token_ids(self) -> list[int]: ...
 
-        check(self.method in METHODS, f"method must be one of {list(METHODS)}, got {self.method!r}")
-        check(isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 1,
-              f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
-        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-        lo, hi = (lo if lo is not None else hi or 5), (hi if hi is not None else lo or 5)
-        object.__setattr__(self, "prompt_lookup_min", lo)
-        object.__setattr__(self, "prompt_lookup_max", hi)
-        check(isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi,
-              f"prompt_lookup_min ({lo}) and prompt_lookup_max ({hi}) must be integers with 1 <= min <= max")
-        check((self.model is not None) == (self.method == "draft_model"),
-              "method 'draft_model' needs a 'model' (and only it takes one)")
-        check(self.disable_by_batch_size is None or self.disable_by_batch_size >= 1,
-              f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
-
-    @classmethod
-    def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
-        """From a JSON object's text (the command line), a dict (`LLM(speculative_config=...)`) or itself."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise InvalidParameter("speculative_config", f"speculative_config is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise InvalidParameter("speculative_config", f"speculative_config must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise InvalidParameter("speculative_config", f"speculative_config: unknown fields {unknown}; known: {sorted(known)}")
-        return cls(**value)
-
-
-# Batches above this many sequences do not speculate by default. On the 2-core CPU, prompt lookup on
-# input-grounded prompts still gave 1.4x at 8 sequences, and nothing at 32, where the drafts find little
-# room beside the sequences' own rows (docs/benchmarks.md, "Speculative decoding").
-DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+    @property
+    def is_running(self) -> bool: ...
 
 
 class Proposer(Protocol):
-    def propose(self, requests: list, limits: list[int]) -> list[list[int]]:
+    def propose(self, requests: list[ProposalRequest], limits: list[int]) -> list[list[int]]:
         """Up to limits[i] draft tokens for each request (which has just sampled its newest token). A
         proposer that keeps state per request drops that of requests no longer running when called."""
 
@@ -117,7 +70,7 @@ class NgramProposer:
     def __init__(self, cfg: SpeculativeConfig):
         self.cfg = cfg
 
-    def propose(self, requests: list, limits: list[int]) -> list[list[int]]:
+    def propose(self, requests: list[ProposalRequest], limits: list[int]) -> list[list[int]]:
         cfg = self.cfg
         return [ngram_propose(np.asarray(r.all_token_ids, np.int32), cfg.prompt_lookup_min, cfg.prompt_lookup_max,
                               limit) if limit > 0 else [] for r, limit in zip(requests, limits)]
