@@ -139,8 +139,8 @@ def main() -> None:
     if args.model and args.served_model_name == parser.get_default("served_model_name"):
         args.served_model_name = os.path.basename(args.model.rstrip("/"))
     runs = [run_policy(policy, args) for policy in args.policies]
-    print(f"| policy | prefix-cache hit rate (replica 0 / 1) | prompt tokens (replica 0 / 1) | requests/s | "
-          f"output tokens/s | errors |")
+    print("| policy | prefix-cache hit rate (replica 0 / 1) | prompt tokens (replica 0 / 1) | requests/s | "
+          "output tokens/s | errors |")
     print("|---|---|---|---|---|---|")
     for run in runs:
         r0, r1 = run["replicas"]

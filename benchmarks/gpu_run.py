@@ -427,7 +427,9 @@ def _stop(process) -> None:
 
 
 def section_server(ctx: Context) -> dict:
-    n = (lambda full, smoke: str(smoke if ctx.smoke else full))
+    def n(full, smoke):
+        return str(smoke if ctx.smoke else full)
+
     process, url = _server(ctx, "server", [], timeout=240)
     try:
         random = ["--dataset-name", "random", "--input-len", n(256, 16), "--output-len", n(128, 8), "--ignore-eos"]
@@ -448,7 +450,9 @@ def section_server(ctx: Context) -> dict:
 
 
 def section_ngram(ctx: Context) -> dict:
-    n = (lambda full, smoke: str(smoke if ctx.smoke else full))
+    def n(full, smoke):
+        return str(smoke if ctx.smoke else full)
+
     spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
     process, url = _server(ctx, "ngram", ["--speculative-config", spec], timeout=240)
     try:

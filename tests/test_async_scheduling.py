@@ -10,6 +10,7 @@ says why). Stops of every kind are taken from a first greedy run, so each one re
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -164,29 +165,37 @@ def test_an_abort_mid_stream_ends_the_same_way(engines):
     assert runs[0] == runs[1]
 
 
+@contextlib.contextmanager
+def _logged_launches_and_reads(runner):
+    """Within it, runner.launch and runner.fetch are wrapped to log, in order, ("launch", i) for the i-th
+    step launched and ("read", i) for each read of its tokens; yields (events, launched outputs)."""
+    events, launched = [], []
+    launch, fetch = runner.launch, runner.fetch
+
+    def logged_launch(*args, **kwargs):
+        launched.append(launch(*args, **kwargs))
+        events.append(("launch", len(launched) - 1))
+        return launched[-1]
+
+    def logged_fetch(output, *args, **kwargs):
+        events.append(("read", next(i for i, o in enumerate(launched) if o is output)))
+        return fetch(output, *args, **kwargs)
+
+    runner.launch, runner.fetch = logged_launch, logged_fetch
+    try:
+        yield events, launched
+    finally:
+        del runner.launch, runner.fetch
+
+
 def test_async_scheduling_launches_step_n_plus_1_before_reading_step_n(engines):
     """The overlap, proven by order: with it on, every read of a step's tokens but the last comes after
     the next step's launch; with it off, each step is read before the next is launched."""
     results = []
     for llm in engines:
-        runner, events, launched = llm.engine.runner, [], []
-        launch, fetch = runner.launch, runner.fetch
-
-        def logged_launch(*args, **kwargs):
-            launched.append(launch(*args, **kwargs))
-            events.append(("launch", len(launched) - 1))
-            return launched[-1]
-
-        def logged_fetch(output, *args, **kwargs):
-            events.append(("read", next(i for i, o in enumerate(launched) if o is output)))
-            return fetch(output, *args, **kwargs)
-
-        runner.launch, runner.fetch = logged_launch, logged_fetch
-        try:
+        with _logged_launches_and_reads(llm.engine.runner) as (events, launched):
             params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
             outputs = llm.generate([{"prompt_token_ids": p} for p in random_prompts(seed=2)[:4]], params, use_tqdm=False)
-        finally:
-            del runner.launch, runner.fetch
         results.append([o.outputs[0].token_ids for o in outputs])
         order = {event: position for position, event in enumerate(events)}
         num_steps = len(launched)

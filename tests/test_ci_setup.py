@@ -37,3 +37,12 @@ def test_gpu_only_and_slow_tests_are_deselected_not_skipped_on_a_cpu():
                             cwd=REPO_ROOT, capture_output=True, text=True, env=env)
     assert result.returncode == 5, result.stdout[-2000:]
     assert "deselected" in result.stdout and "skipped" not in result.stdout
+
+
+def test_the_ci_script_runs_ruff_check_before_pytest():
+    """`ruff check .` is a command of its own (so set -e fails the run on a finding) before the first pytest."""
+    lines = [line.strip() for line in CI_SCRIPT.splitlines()]
+    assert ".venv/bin/ruff check ." in lines, "the CI script no longer runs ruff"
+    ruff = lines.index(".venv/bin/ruff check .")
+    first_pytest = next(i for i, line in enumerate(lines) if "-m pytest" in line and not line.startswith("#"))
+    assert ruff < first_pytest, "the CI script runs ruff after pytest"

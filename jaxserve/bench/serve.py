@@ -79,7 +79,7 @@ async def send_request(client, url: str, body: dict, request: BenchRequest) -> R
                 elif chunk.get("usage"):
                     result.output_len = chunk["usage"]["completion_tokens"]
                     result.prompt_len = chunk["usage"].get("prompt_tokens", result.prompt_len)
-    except Exception as e:  # a benchmark reports failures rather than dying on the first one
+    except Exception as e:  # noqa: BLE001 - a benchmark reports failures rather than dying on the first one
         result.error = f"{type(e).__name__}: {e}"
         return result
     if num_chunks == 0:

@@ -104,7 +104,6 @@ class TensorParallel:
         placed = [jax.make_array_from_single_device_arrays(x.shape, sharding, list(on_devices))
                   for x, sharding, *on_devices in zip(jax.tree.leaves(whole),
                                                       jax.tree.leaves(shardings(self.mesh, specs)), *pieces)]
-        replicated = NamedSharding(self.mesh, P())
         tables = jax.tree.map(lambda x: self.replicated(np.asarray(x)), rope())
         return jax.tree.unflatten(jax.tree.structure(whole), placed) | tables
 

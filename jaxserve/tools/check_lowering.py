@@ -89,7 +89,7 @@ def check_lowering(model_cfg: ModelConfig, engine_cfg: EngineConfig, params=None
                     Path(dump_dir).mkdir(parents=True, exist_ok=True)
                     (Path(dump_dir) / f"{kind}-{bucket}.mlir").write_text(text)
                 result.ok = True
-            except Exception as e:  # report every bucket, whatever breaks
+            except Exception as e:  # noqa: BLE001 - report every bucket, whatever breaks
                 result.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             result.seconds = time.perf_counter() - start
             results.append(result)

@@ -101,5 +101,5 @@ def load_hf_config(model: str | os.PathLike | None = None):
         if path.is_file():
             return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         return AutoConfig.from_pretrained(path)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - transformers' many failure types, as one error naming the path
         raise ModelLoadError(f"cannot read a Hugging Face config from {str(path)!r}: {e}") from None

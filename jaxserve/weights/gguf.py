@@ -108,7 +108,7 @@ def _convert(path: Path, dtype: str, lazy: bool, digest: str) -> LoadedModel:
     try:
         reader = gguf.GGUFReader(path)
         arch = reader.fields["general.architecture"].contents()
-    except Exception as e:  # the gguf package raises many types on a damaged file
+    except Exception as e:  # noqa: BLE001 - the gguf package raises many types on a damaged file
         raise ModelLoadError(f"cannot read GGUF file {str(path)!r} (truncated or corrupt?): {e}") from None
     if arch not in GGUF_ARCHS:
         raise ModelLoadError(f"GGUF architecture {arch!r} in {str(path)!r} is not supported; jaxserve reads {GGUF_ARCHS}")
@@ -122,7 +122,7 @@ def _convert(path: Path, dtype: str, lazy: bool, digest: str) -> LoadedModel:
     require_torch(path)
     try:
         hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any metadata transformers cannot read, as one error naming the file
         raise ModelLoadError(f"cannot build a model config from GGUF metadata in {str(path)!r}: {e}") from None
     cfg = ModelConfig.from_hf(hf_config)
     key_length = reader.fields.get(f"{arch}.attention.key_length")
@@ -140,7 +140,7 @@ def _convert(path: Path, dtype: str, lazy: bool, digest: str) -> LoadedModel:
         tensor = tensors[name]
         try:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a damaged tensor, as one error naming it and the file
             raise ModelLoadError(f"cannot dequantize {tensor.name!r} in {str(path)!r}: {e}") from None
         array = np.asarray(array, np.float32).reshape(tuple(reversed([int(d) for d in tensor.shape])))
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):

@@ -52,7 +52,7 @@ def load_checkpoint(path: Path, dtype: str, lazy: bool = False) -> LoadedModel:
                 params = _lazy_tree(stored.tree, path.resolve() / "params", stored.use_zarr3, dtype)
             else:
                 params = _tree_cast(checkpointer.restore(path.resolve() / "params"), dtype)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - orbax's many failure types, as one error naming the checkpoint
         raise ModelLoadError(f"cannot restore the jaxserve checkpoint in {str(path)!r}: {e}") from None
     return LoadedModel(cfg, params, load_tokenizer_dir(path), meta.get("source", str(path)))
 
@@ -70,7 +70,7 @@ def _lazy_tree(tree, directory: Path, use_zarr3: bool, dtype: str):
     def read(index):
         try:
             return stored[index].read().result()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - tensorstore's failures, as one error naming the array and checkpoint
             raise ModelLoadError(f"cannot read {tree.name!r} from the jaxserve checkpoint in "
                                  f"{str(directory.parent)!r}: {e}") from None
 
