@@ -145,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if args.verbose:  # the engine's own details (start-up lines are INFO and show without -v)
+        logging.getLogger("jaxserve").setLevel(logging.DEBUG)
     try:
         args.func(args)
     except (ModelLoadError, ValueError) as e:

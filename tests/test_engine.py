@@ -46,6 +46,23 @@ def test_from_config_loads_builds_and_warms_up_the_engine_llm_and_server_share(t
     assert "executables ready" not in capsys.readouterr().err
 
 
+def test_the_jaxserve_loggers_level_silences_the_start_up_lines(tiny_model_dir, capsys):
+    """The start-up lines go through the `jaxserve` logger: a program that embeds the engine raises its level
+    and hears nothing; put back, they are there again."""
+    import logging
+
+    jaxserve_logger = logging.getLogger("jaxserve")
+    before = jaxserve_logger.level
+    try:
+        jaxserve_logger.setLevel(logging.WARNING)
+        LLMEngine.from_config(tiny_model_dir("llama"), EngineConfig(**ENGINE), show_progress=False)
+        assert "jaxserve:" not in capsys.readouterr().err
+    finally:
+        jaxserve_logger.setLevel(before)
+    LLMEngine.from_config(tiny_model_dir("llama"), EngineConfig(**ENGINE), show_progress=False)
+    assert "executables ready" in capsys.readouterr().err
+
+
 def _prompts(n: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     return [{"prompt_token_ids": [rng.randrange(256) for _ in range(rng.randint(1, 90))]} for _ in range(n)]

@@ -11,7 +11,6 @@ import itertools
 import logging
 import os
 import random
-import sys
 import threading
 import time
 
@@ -24,6 +23,7 @@ from jaxserve.config.engine_config import EngineConfig
 from jaxserve.core.detokenizer import IncrementalDetokenizer
 from jaxserve.runner.device_batch import Slots
 from jaxserve.errors import InvalidParameter
+from jaxserve.log import STARTUP
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.step_inputs import ScheduledSeq, StepInputs
 from jaxserve.parallel.tensor_parallel import request_cpu_devices
@@ -108,14 +108,14 @@ class LLMEngine:
         # (the device's time the host could not hide), updating requests and detokenizing
         self.phase_seconds = dict.fromkeys(STEP_PHASES, 0.0)
         self._compilations_after_warmup: int | None = None
-        logger.info("max concurrent tokens in the KV pool: %d", self.runner.max_concurrent_tokens)
+        logger.debug("max concurrent tokens in the KV pool: %d", self.runner.max_concurrent_tokens)
 
     @classmethod
     def from_config(cls, model: str | os.PathLike | None, cfg: EngineConfig, *, warmup: bool = True,
                     show_progress: bool = True) -> tuple["LLMEngine", dict | None]:
         """Loads `model` (None: the default model), builds its engine and compiles every bucket: what
         both the offline `LLM` and the server start from. Returns the engine and its warm-up summary
-        (None without warm-up). Progress and the engine's shape are printed to stderr."""
+        (None without warm-up). Progress goes to stderr, the engine's shape to the `jaxserve.startup` logger (stderr too)."""
         device_defaults.let_xla_take_the_gpu()  # before JAX starts a GPU
         enable_persistent_cache()
         multihost.initialize(cfg)  # before any other JAX work; nothing for one node
@@ -128,26 +128,26 @@ class LLMEngine:
                                 seed=cfg.seed), cfg)
         runner = engine.runner
         if runner.defaults:
-            print(f"jaxserve: defaults for {runner.device.kind} ({device_defaults.kind_defaults(runner.device).why}): "
-                  f"{', '.join(runner.defaults)}", file=sys.stderr)
+            STARTUP.info("defaults for %s (%s): %s", runner.device.kind, device_defaults.kind_defaults(runner.device).why,
+                         ", ".join(runner.defaults))
         if hint := matmul_hint(cfg.matmul_backend, runner.matmul_backend):
-            print(f"jaxserve: {hint}", file=sys.stderr)
-        print(f"jaxserve: {engine.model_cfg.architecture} from {engine.model.source}; KV cache {runner.num_pages - 1} "
-              f"pages x {engine.cfg.block_size} tokens = {runner.max_concurrent_tokens} max concurrent tokens "
-              f"({runner.kv_cache_bytes / 2**20:.0f} MiB)", file=sys.stderr)
+            STARTUP.info("%s", hint)
+        STARTUP.info(f"{engine.model_cfg.architecture} from {engine.model.source}; KV cache {runner.num_pages - 1} "
+                     f"pages x {engine.cfg.block_size} tokens = {runner.max_concurrent_tokens} max concurrent tokens "
+                     f"({runner.kv_cache_bytes / 2**20:.0f} MiB)")
         if runner.mesh is not None:
-            print(f"jaxserve: tensor parallel over {runner.mesh.size} {runner.mesh.devices.flat[0].platform} devices "
-                  f"({runner.parallel.describe()}); per device: weights "
-                  f"{runner.device_weight_bytes / 2**20:.1f} MiB, KV cache {runner.device_kv_cache_bytes / 2**20:.1f} MiB; "
-                  f"{runner.describe_weights_read()}", file=sys.stderr)
+            STARTUP.info(f"tensor parallel over {runner.mesh.size} {runner.mesh.devices.flat[0].platform} devices "
+                         f"({runner.parallel.describe()}); per device: weights "
+                         f"{runner.device_weight_bytes / 2**20:.1f} MiB, KV cache "
+                         f"{runner.device_kv_cache_bytes / 2**20:.1f} MiB; {runner.describe_weights_read()}")
         if not warmup:
             return engine, None
         summary = engine.warmup(show_progress)
-        print(f"jaxserve: {summary['num_executables']} executables ready in {summary['seconds']:.1f} s, "
-              f"{summary['num_cache_hits']} from the compilation cache (prefill token buckets "
-              f"{summary['prefill_buckets']}, decode batch buckets {summary['decode_buckets']})", file=sys.stderr)
+        STARTUP.info(f"{summary['num_executables']} executables ready in {summary['seconds']:.1f} s, "
+                     f"{summary['num_cache_hits']} from the compilation cache (prefill token buckets "
+                     f"{summary['prefill_buckets']}, decode batch buckets {summary['decode_buckets']})")
         if cfg.nnodes > 1:
-            print(f"jaxserve: waiting for {cfg.nnodes - 1} follower(s)", file=sys.stderr, flush=True)
+            STARTUP.info("waiting for %d follower(s)", cfg.nnodes - 1)
             engine.leader = multihost.Leader(cfg, multihost.fingerprint(runner))  # checked against each follower's
             engine.runner.on_launch = engine.leader.send_step
         return engine, summary

@@ -61,7 +61,6 @@ import ipaddress
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from typing import Callable
@@ -72,6 +71,7 @@ import numpy as np
 from jaxserve.distributed import step_channel as wire
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.distributed.step_channel import ChannelError
+from jaxserve.log import STARTUP
 
 logger = logging.getLogger(__name__)
 
@@ -137,14 +137,14 @@ def initialize(cfg: EngineConfig) -> None:
     if cfg.nnodes == 1:
         return
     if not load_secret(cfg):
-        print(f"jaxserve: warning: the multi-host step channel runs without a shared secret ({INSECURE_FLAG}): "
-              f"anyone who reaches {cfg.dist_init_addr.rsplit(':', 1)[0]}:{_step_address(cfg)[1]} during start-up "
-              f"could join the group", file=sys.stderr, flush=True)
+        STARTUP.warning(f"warning: the multi-host step channel runs without a shared secret ({INSECURE_FLAG}): "
+                        f"anyone who reaches {cfg.dist_init_addr.rsplit(':', 1)[0]}:{_step_address(cfg)[1]} during "
+                        f"start-up could join the group")
     warn_if_loopback(cfg)
     from jaxserve.parallel.tensor_parallel import request_cpu_devices
 
     request_cpu_devices(cfg.tensor_parallel_size // cfg.nnodes)
-    logger.info("joining %d processes at %s as rank %d", cfg.nnodes, cfg.dist_init_addr, cfg.node_rank)
+    logger.debug("joining %d processes at %s as rank %d", cfg.nnodes, cfg.dist_init_addr, cfg.node_rank)
     jax.distributed.initialize(coordinator_address=cfg.dist_init_addr, num_processes=cfg.nnodes,
                                process_id=cfg.node_rank)
 
@@ -176,11 +176,11 @@ def warn_if_loopback(cfg: EngineConfig) -> str | None:
     address = loopback_address(host)
     if address is None:
         return None
-    message = (f"jaxserve: warning: --dist-init-addr host {host!r} resolves to {address}, a loopback address: only "
+    message = (f"warning: --dist-init-addr host {host!r} resolves to {address}, a loopback address: only "
                f"processes on this machine can reach the leader there, not other hosts (Debian's /etc/hosts maps "
                f"a machine's own name to 127.0.1.1). Across hosts give an address, or a name, that the other "
                f"hosts reach rank 0 at.")
-    print(message, file=sys.stderr, flush=True)
+    STARTUP.warning("%s", message)
     return message
 
 
@@ -521,15 +521,13 @@ def run_follower(model, cfg: EngineConfig, show_progress: bool = True) -> None:
     loaded = load_model(model, cfg.dtype, lazy=True)  # only this process's slices are read
     runner = ModelRunner(loaded.config, cfg, loaded.params)
     runner.warmup(show_progress)
-    print(f"jaxserve: follower rank {cfg.node_rank} ready ({runner.describe_weights_read()}); connecting to the "
-          f"leader", file=sys.stderr, flush=True)
+    STARTUP.info("follower rank %d ready (%s); connecting to the leader", cfg.node_rank, runner.describe_weights_read())
     try:
         channel = connect_to_leader(cfg, fingerprint(runner), secret=secret,
                                     max_step_bytes=wire.max_step_bytes(runner))
         with channel:
-            print(f"jaxserve: follower rank {cfg.node_rank} joined the leader at {channel.address}",
-                  file=sys.stderr, flush=True)
+            STARTUP.info("follower rank %d joined the leader at %s", cfg.node_rank, channel.address)
             follow(runner, channel)
     except OSError as e:  # refused, or the channel broke (ChannelError, a reset, a keepalive timeout): exit non-zero
-        print(f"jaxserve: follower rank {cfg.node_rank}: {e}", file=sys.stderr, flush=True)
+        STARTUP.error("follower rank %d: %s", cfg.node_rank, e)
         raise SystemExit(1) from None

@@ -163,13 +163,13 @@ class ModelRunner:
         self.kv_cache = self._init_kv_cache(self.num_pages)
         self.device_kv_cache_bytes = _bytes_on_first_device(self.kv_cache)
         self.batch_state = BatchState(*jax.tree.map(self._replicated, self.inputs.initial_state()))
-        logger.info(
+        logger.debug(
             "KV cache: %d pages of %d tokens (%d max concurrent tokens), %.1f MiB; %s attention, %s matmuls",
             self.num_pages - 1, engine_cfg.block_size, self.max_concurrent_tokens,
             self.kv_cache_bytes / 2**20, self.attention_backend, self.matmul_backend,
         )
         if self.parallel:
-            logger.info("tensor parallel over %d devices: %s", tp, self.parallel.describe())
+            logger.debug("tensor parallel over %d devices: %s", tp, self.parallel.describe())
 
     def _serving_params(self, params, draw: Callable[[], dict] | None = None):
         """forward's layout (per-layer arrays, fused projections; packed for the C++ matmul when
@@ -268,7 +268,7 @@ class ModelRunner:
             "seconds": time.perf_counter() - start,
             "num_cache_hits": compilation.num_cache_hits() - hits,  # loaded from the persistent cache
         }
-        logger.info("compiled %d executables in %.1f s", summary["num_executables"], summary["seconds"])
+        logger.debug("compiled %d executables in %.1f s", summary["num_executables"], summary["seconds"])
         return summary
 
     def lower(self, kind: str, bucket: int, platforms: tuple[str, ...] | None = None):

@@ -107,7 +107,7 @@ class DraftModelProposer:
         self.pool = PagePool(self.runner.num_pages, self.runner.cfg.block_size, enable_prefix_caching=False)
         self.max_num_seqs = self.runner.cfg.max_num_seqs
         self.seqs: dict[ProposalRequest, _DraftSeq] = {}
-        logger.info("draft model %s: %d layers, hidden %d; its KV cache %d pages of %d tokens", draft.source,
+        logger.debug("draft model %s: %d layers, hidden %d; its KV cache %d pages of %d tokens", draft.source,
                     cfg.num_layers, cfg.hidden_size, self.runner.num_pages - 1, self.runner.cfg.block_size)
 
     def warmup(self, show_progress: bool = True) -> int:
