@@ -89,8 +89,10 @@ def cmd_check_lowering(args: argparse.Namespace) -> None:
 
     engine_cfg = engine_config_from_args(args)
     request_cpu_devices(engine_cfg.tensor_parallel_size)  # the mesh's devices, before JAX starts
-    dtype = resolve_dtype(engine_cfg.dtype, DeviceInfo.target(PLATFORMS[args.platform]))
-    loaded = load_model(args.model, dtype)  # for its config; only the params' shapes are used
+    # "auto" decided once, for the target: the weights load in it and check_lowering resolves the rest
+    engine_cfg = dataclasses.replace(engine_cfg, dtype=resolve_dtype(engine_cfg.dtype,
+                                                                     DeviceInfo.target(PLATFORMS[args.platform])))
+    loaded = load_model(args.model, engine_cfg.dtype)  # for its config; only the params' shapes are used
     model_cfg = loaded.config
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), loaded.params)
     del loaded

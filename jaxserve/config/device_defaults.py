@@ -100,18 +100,19 @@ def resolve_kv_cache_dtype(cfg: EngineConfig, dtype: str | None = None) -> str:
 
 
 def resolve(cfg: EngineConfig, model_cfg: ModelConfig, device: DeviceInfo,
-            memory: MemoryUse | None = None) -> tuple[EngineConfig, tuple[str, ...]]:
+            memory: MemoryUse | None = None, *, dtype: str | None = None) -> tuple[EngineConfig, tuple[str, ...]]:
     """`cfg` with its unset settings chosen for `device` and a model of `model_cfg` (a device's share under
     tensor parallelism), and what was chosen ("setting value", with the reason where it is not the kind's
     `why`). A setting the user gave is kept; one that cannot work raises ValueError naming it.
 
     When the KV pool is to be sized from the device's memory, it stays unsized (kv_cache_memory_bytes
     None, max_model_len the most it may become) until `memory` is given: resolve again with it.
+    dtype: the engine's dtype where the caller took it already from `resolve_dtype` (the weights load in it).
     """
     kind = kind_defaults(device)
     chosen, changes = [], {}
     if cfg.dtype == "auto":
-        changes["dtype"] = resolve_dtype(cfg.dtype, device)
+        changes["dtype"] = dtype or resolve_dtype(cfg.dtype, device)
     dtype = changes.get("dtype", cfg.dtype)
     if cfg.kv_cache_dtype == "float32" and dtype != "float32":
         raise ValueError(f"kv_cache_dtype='float32' needs dtype='float32' (the engine runs {dtype}); "

@@ -45,6 +45,11 @@ class SpeculativeConfig:
         check(self.disable_by_batch_size is None or self.disable_by_batch_size >= 1,
               f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
 
+    @property
+    def batch_limit(self) -> int:
+        """The most running sequences a step may hold and still speculate."""
+        return self.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
+
     @classmethod
     def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
         """From a JSON object's text (the command line), a dict (`LLM(speculative_config=...)`) or itself."""

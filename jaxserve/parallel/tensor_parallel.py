@@ -67,9 +67,10 @@ class TensorParallel:
     """One model split over a mesh of `tp` devices: its head layout, the mesh, where each param lives,
     and the step function and jit that run on it (what `ModelRunner` uses instead of the one-device ones)."""
 
-    def __init__(self, model_cfg: ModelConfig, tp: int):
+    def __init__(self, model_cfg: ModelConfig, tp: int, layout: HeadLayout | None = None):
+        """layout: the heads' places if already decided (`resolve_config` does), else decided here."""
         self.model_cfg = model_cfg
-        self.layout = HeadLayout.for_model(model_cfg, tp)
+        self.layout = layout or HeadLayout.for_model(model_cfg, tp)
         self.mesh = make_mesh(tp)
         self.device_cfg = self.layout.device_config(model_cfg)  # what forward runs with on each device
         self.padded_cfg = self.layout.padded_config(model_cfg)  # what the arrays hold, all devices together

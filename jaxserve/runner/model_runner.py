@@ -24,44 +24,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.runner import compilation
-
-from jaxserve.runner import device_batch
-
-from jaxserve.config import device_defaults
-
-from jaxserve.runner import step_inputs
-from jaxserve.ops.attention_backends import paired_attention_backend, resolve_attention_backend, resolve_matmul_backend
-from jaxserve.config.model_config import ModelConfig
-from jaxserve.config.device_defaults import DeviceInfo, MemoryUse
+from jaxserve.config.buckets import decode_buckets, pick_bucket, prefill_buckets  # noqa: F401 - also theirs
+from jaxserve.config.device_defaults import MemoryUse
 from jaxserve.config.engine_config import EngineConfig
-from jaxserve.models.transformer import (forward, init_kv_cache, rope_position_tables,
-                                         serving_params)
+from jaxserve.config.model_config import ModelConfig
+from jaxserve.models.transformer import forward, init_kv_cache, rope_position_tables, serving_params
 from jaxserve.ops.sampling import SamplerOutput, sample
-from jaxserve.runner.device_batch import BatchState
-from jaxserve.runner.step_inputs import ScheduledSeq, StepInputBuilder, StepInputs
 from jaxserve.parallel.tensor_parallel import TensorParallel
+from jaxserve.runner import compilation, device_batch, step_inputs
+from jaxserve.runner.device_batch import BatchState
+from jaxserve.runner.resolve import ResolvedConfig, resolve_config, size_pool
+from jaxserve.runner.step_inputs import ScheduledSeq, StepInputBuilder, StepInputs
 from jaxserve.weights import lazy
 
 logger = logging.getLogger(__name__)
-
-
-def _powers_of_two(lo: int, hi: int) -> list[int]:
-    buckets, size = [], lo
-    while size < hi:
-        buckets.append(size)
-        size *= 2
-    return buckets + [hi]
-
-
-def prefill_buckets(cfg: EngineConfig) -> list[int]:
-    """Token counts: powers of two from min_prefill_bucket up to max_num_batched_tokens."""
-    return _powers_of_two(cfg.min_prefill_bucket, cfg.max_num_batched_tokens)
-
-
-def decode_buckets(cfg: EngineConfig) -> list[int]:
-    """Batch sizes: powers of two from min_decode_bucket up to max_num_seqs."""
-    return _powers_of_two(min(cfg.min_decode_bucket, cfg.max_num_seqs), cfg.max_num_seqs)
 
 
 def _bytes_on_first_device(tree) -> int:
@@ -70,11 +46,6 @@ def _bytes_on_first_device(tree) -> int:
         return sum(x.size * x.dtype.itemsize for x in leaves)  # shapes only (check-lowering)
     device = leaves[0].addressable_shards[0].device
     return sum(shard.data.nbytes for x in leaves for shard in x.addressable_shards if shard.device == device)
-
-
-def pick_bucket(buckets: list[int], size: int) -> int:
-    assert size <= buckets[-1], f"{size=} exceeds the largest bucket {buckets[-1]}"
-    return next(b for b in buckets if b >= size)
 
 
 def _step(params, kv_cache, inputs: StepInputs, *, cfg: ModelConfig, q_tile: int, kv_tile: int,
@@ -104,45 +75,31 @@ def _batch_step(params, kv_cache, state: BatchState, packed: tuple[jax.Array, ja
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, params, platform: str | None = None,
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig | ResolvedConfig, params, platform: str | None = None,
                  draw: Callable[[], dict] | None = None):
-        """platform: resolve the attention backend and the unset settings for "gpu"/"cpu" instead of this
-        machine (check-lowering). draw: params not made yet (`LoadedModel.draw`; `params` are their shapes),
-        drawn in the serving layout on the device."""
-        requested = engine_cfg
+        """cfg: the engine's resolved settings (`resolve.resolve_config`); given an EngineConfig, they are
+        resolved here, for this machine or `platform` ("gpu"/"cpu": check-lowering). draw: params not made
+        yet (`LoadedModel.draw`; `params` are their shapes), drawn in the serving layout on the device."""
+        resolved = cfg if isinstance(cfg, ResolvedConfig) else resolve_config(cfg, model_cfg, platform=platform)
         self.model_cfg = model_cfg
-        tp = engine_cfg.tensor_parallel_size
         # Under tensor parallelism each device runs device_cfg's share of the model (tensor_parallel.py).
-        self.parallel = TensorParallel(model_cfg, tp) if tp > 1 else None
+        self.parallel = TensorParallel(model_cfg, resolved.layout.tp, resolved.layout) if resolved.layout else None
         self.mesh = self.parallel.mesh if self.parallel else None
-        self.device_cfg = self.parallel.device_cfg if self.parallel else model_cfg
-        # The settings left unset, chosen for the device (`defaults` says what and why); a pool sized from
-        # the device's memory waits for the weights and the step's measure, below.
-        self.device = DeviceInfo.target(platform) if platform else DeviceInfo.local()
-        engine_cfg, self.defaults = device_defaults.resolve(requested, self.device_cfg, self.device)
-        self.cfg = engine_cfg
-        self.attention_backend = resolve_attention_backend(engine_cfg.attention_backend, self.device_cfg, engine_cfg,
-                                                           platform)
-        self.matmul_backend = resolve_matmul_backend(engine_cfg.matmul_backend, engine_cfg, platform)
-        self.attention_backend = paired_attention_backend(self.attention_backend, self.matmul_backend)
+        self.device_cfg = resolved.device_model
+        self._take(resolved)
         self.params = self._serving_params(params, draw)
         # What this process read of LazyTensor params (its devices' slices) out of the whole model's bytes
         self.weight_bytes_read, self.weight_bytes_total = lazy.bytes_read(params), lazy.total_bytes(params)
         # What each device holds (all of it on one device): weights with rope tables and replicated norms
         self.device_weight_bytes = _bytes_on_first_device(self.params)
-        self.prefill_buckets = prefill_buckets(engine_cfg)
-        self.decode_buckets = decode_buckets(engine_cfg)
         step = functools.partial(_step, cfg=model_cfg)
         jit = functools.partial(jax.jit, donate_argnums=(1, 2))
         if self.parallel:
             step, jit = self.parallel.step, self.parallel.jit
-        # On a GPU the sampler selects instead of branching: a branch there waits for the host (sampling.py).
-        self.platform = platform or jax.default_backend()
-        self.sampler_branches = self.platform != "gpu"
-        step = functools.partial(step, kv_tile=min(engine_cfg.kv_tile, engine_cfg.max_model_len),
-                                 attention_backend=self.attention_backend, sampler_branches=self.sampler_branches)
+        step = functools.partial(step, kv_tile=resolved.kv_tile, attention_backend=self.attention_backend,
+                                 sampler_branches=resolved.sampler_branches)
         batched = lambda **kwargs: functools.partial(_batch_step, step=functools.partial(step, **kwargs))  # noqa: E731
-        self._prefill = jit(batched(q_tile=engine_cfg.prefill_query_tile))
+        self._prefill = jit(batched(q_tile=self.cfg.prefill_query_tile))
         self._decode = jit(batched(q_tile=1, decode_only=True))
         self._write_rows = jax.jit(device_batch.write_rows, donate_argnums=0)
         if self.parallel:
@@ -150,26 +107,31 @@ class ModelRunner:
         self._row_writers: dict[int, object] = {}  # per update bucket
         self._executables: dict[tuple[str, int], object] = {}
         self.on_launch: Callable[[str, int, StepInputs], None] | None = None  # multihost.Leader.send_step
-        self.inputs = StepInputBuilder(model_cfg, engine_cfg)
-        if engine_cfg.kv_cache_memory_bytes is None and engine_cfg.num_kv_pages is None:
+        self.inputs = StepInputBuilder(model_cfg, self.cfg)
+        if resolved.num_pages is None:  # the pool takes what the weights and the largest step leave
             # The loader's copy of the weights is alive while the pool is allocated (its owner drops it later).
             loader_bytes = sum(x.nbytes for x in jax.tree.leaves(params)
                                if isinstance(x, jax.Array) and any(d.platform != "cpu" for d in x.devices()))
-            memory = MemoryUse(self.device_weight_bytes + loader_bytes, self._step_bytes())
-            engine_cfg, self.defaults = device_defaults.resolve(requested, self.device_cfg, self.device, memory)
-            self.cfg = engine_cfg
-            self.inputs = StepInputBuilder(model_cfg, engine_cfg)  # max_model_len may be the pool's now
-        self.num_pages = self._num_pages()
+            self._take(size_pool(resolved, MemoryUse(self.device_weight_bytes + loader_bytes, self._step_bytes())))
+            self.inputs = StepInputBuilder(model_cfg, self.cfg)  # max_model_len may be the pool's now
         self.kv_cache = self._init_kv_cache(self.num_pages)
         self.device_kv_cache_bytes = _bytes_on_first_device(self.kv_cache)
         self.batch_state = BatchState(*jax.tree.map(self._replicated, self.inputs.initial_state()))
         logger.debug(
             "KV cache: %d pages of %d tokens (%d max concurrent tokens), %.1f MiB; %s attention, %s matmuls",
-            self.num_pages - 1, engine_cfg.block_size, self.max_concurrent_tokens,
+            self.num_pages - 1, self.cfg.block_size, self.max_concurrent_tokens,
             self.kv_cache_bytes / 2**20, self.attention_backend, self.matmul_backend,
         )
         if self.parallel:
-            logger.debug("tensor parallel over %d devices: %s", tp, self.parallel.describe())
+            logger.debug("tensor parallel over %d devices: %s", self.mesh.size, self.parallel.describe())
+
+    def _take(self, resolved: ResolvedConfig) -> None:
+        """Reads the settings off the record (twice when the pool is sized from memory)."""
+        self.resolved, self.cfg, self.defaults = resolved, resolved.engine, resolved.chosen
+        self.device, self.platform, self.num_pages = resolved.device, resolved.platform, resolved.num_pages
+        self.attention_backend, self.matmul_backend = resolved.attention_backend, resolved.matmul_backend
+        self.sampler_branches = resolved.sampler_branches
+        self.prefill_buckets, self.decode_buckets = list(resolved.prefill_buckets), list(resolved.decode_buckets)
 
     def _serving_params(self, params, draw: Callable[[], dict] | None = None):
         """forward's layout (per-layer arrays, fused projections; packed for the C++ matmul when
@@ -178,10 +140,10 @@ class ModelRunner:
         to compile and run for the default model); elsewhere the conversion runs on the device. Shapes
         only for check-lowering."""
         leaves = jax.tree.leaves(params)
-        packed = {"cpu": "float32", "cpu-bf16": "bfloat16"}.get(self.matmul_backend)
+        packed = self.resolved.packed_dtype
         to_serving = functools.partial(serving_params, self.model_cfg, packed=packed is not None,
                                        packed_dtype=packed or "float32")
-        rope = functools.partial(rope_position_tables, self.model_cfg, self.cfg.max_model_len)
+        rope = functools.partial(rope_position_tables, self.model_cfg, self.resolved.max_positions)
         if self.parallel:
             return self.parallel.place_params(params, to_serving, rope)
         if draw is not None:  # random weights: drawn and converted in one jit, one copy on the device
@@ -205,17 +167,6 @@ class ModelRunner:
     def _init_kv_cache(self, num_pages: int):
         make = init_kv_cache if self.parallel is None else self.parallel.init_kv_cache
         return make(self.model_cfg, num_pages, self.cfg.block_size, self.cfg.kv_cache_dtype)
-
-    def _num_pages(self) -> int:
-        """Pages in the array: the pool's pages plus the dummy page 0. kv_cache_memory_bytes is per device."""
-        num_pages = device_defaults.num_pool_pages(self.cfg, self.device_cfg)
-        if self.cfg.num_kv_pages is None and num_pages < 1:
-            per_page = self.device_cfg.kv_bytes_per_token(self.cfg.kv_cache_dtype) * self.cfg.block_size
-            raise ValueError(
-                f"kv_cache_memory_bytes={self.cfg.kv_cache_memory_bytes} holds {num_pages + 1} pages of "
-                f"{per_page} bytes; at least 2 are needed"
-            )
-        return int(num_pages) + 1
 
     def _step_bytes(self) -> int:
         """The most memory one step needs besides the weights and the KV pages: XLA's memory analysis of

@@ -29,7 +29,7 @@ from jaxserve.errors import InvalidParameter
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.page_pool import PagePool
 from jaxserve.config.sampling_params import SamplingParams
-from jaxserve.config.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
+from jaxserve.config.speculative import SpeculativeConfig
 from jaxserve.spec_decode.speculative import ProposalRequest
 from jaxserve.runner.step_inputs import ScheduledSeq
 from jaxserve.weights import load_model
@@ -63,10 +63,9 @@ def draft_engine_config(spec: SpeculativeConfig, engine_cfg: EngineConfig, model
         target_pages = device_defaults.num_pool_pages(engine_cfg, model_cfg)
     num_pages = min(engine_cfg.max_num_seqs * pages_per_seq, target_pages)
     if max_pool_bytes is not None:
-        kv_dtype = device_defaults.resolve_kv_cache_dtype(engine_cfg)
-        page_bytes = draft_cfg.kv_bytes_per_token(kv_dtype) * engine_cfg.block_size
+        page_bytes = draft_cfg.kv_bytes_per_token(device_defaults.resolve_kv_cache_dtype(engine_cfg)) * engine_cfg.block_size
         num_pages = min(num_pages, max_pool_bytes // page_bytes)
-    max_num_seqs = min(engine_cfg.max_num_seqs, spec.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE)
+    max_num_seqs = min(engine_cfg.max_num_seqs, spec.batch_limit)
     return dataclasses.replace(
         engine_cfg, speculative_config=None, tensor_parallel_size=1, nnodes=1, node_rank=0,
         num_kv_pages=max(num_pages, pages_per_seq + 1), kv_cache_memory_bytes=None, async_scheduling=False,

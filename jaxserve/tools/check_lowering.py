@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from jaxserve.config.model_config import ModelConfig
 from jaxserve.config.device_defaults import DeviceInfo, resolve_dtype
+from jaxserve.runner.resolve import resolve_config
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.models.params import param_shapes as model_param_shapes
@@ -64,16 +65,20 @@ def check_lowering(model_cfg: ModelConfig, engine_cfg: EngineConfig, params=None
     """Lowers every bucket of both entry points for `platform`; one result per bucket, failures included.
     dump_dir: each module's text is written there as `{entry}-{bucket}.mlir`.
 
+    params: shapes (or arrays) in `engine_cfg.dtype`, by default those of models/params.py.
     Raises ValueError (before lowering anything) if an explicit Pallas backend cannot run the model.
     """
     from pallas_kernels.lowering import custom_call_targets, mosaic_kernels
 
     if platform not in PLATFORMS:
         raise ValueError(f"{platform=} is not one of {sorted(PLATFORMS)}")
+    device = DeviceInfo.target(PLATFORMS[platform])
+    resolved = resolve_config(engine_cfg, model_cfg, device, platform=PLATFORMS[platform],
+                              dtype=resolve_dtype(engine_cfg.dtype, device))
     if params is None:
-        params = param_shapes(model_cfg, resolve_dtype(engine_cfg.dtype, DeviceInfo.target(PLATFORMS[platform])))
+        params = param_shapes(model_cfg, resolved.engine.dtype)
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    runner = ModelRunner(model_cfg, engine_cfg, params, platform=PLATFORMS[platform])
+    runner = ModelRunner(model_cfg, resolved, params)
     results = []
     for kind, buckets in (("prefill", runner.prefill_buckets), ("decode", runner.decode_buckets)):
         for bucket in buckets:

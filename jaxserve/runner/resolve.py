@@ -1,0 +1,100 @@
+"""Every decision the engine takes from its settings, the model and the device, taken once.
+
+`resolve_config` turns an `EngineConfig` (settings left unset: None, "auto") into a frozen
+`ResolvedConfig` before anything is built: the defaults for the device, the attention and matmul
+backends, the buckets, asynchronous scheduling, the speculation batch limit, the KV pool's pages. The
+runner, the page pool, the scheduler and the input builder read the record and decide nothing. One
+decision waits: a pool sized from the device's memory needs the largest step's measured activations,
+so the runner compiles those two steps, then calls `size_pool` (the one step after compilation).
+
+It lives in the runner layer because choosing a backend asks the ops layer whether its kernels run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jaxserve.config import device_defaults
+from jaxserve.config.buckets import decode_buckets, prefill_buckets
+from jaxserve.config.device_defaults import DeviceInfo, MemoryUse
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.config.model_config import ModelConfig
+from jaxserve.ops.attention_backends import (matmul_hint, paired_attention_backend, resolve_attention_backend,
+                                             resolve_matmul_backend)
+from jaxserve.parallel.tp_layout import HeadLayout
+
+# The dtype of the packed weights each C++ matmul backend takes ("xla": not packed)
+PACKED_DTYPES = {"cpu": "float32", "cpu-bf16": "bfloat16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedConfig:
+    """What the engine runs with: every setting a number, and what was chosen from them."""
+
+    engine: EngineConfig  # every setting a number (kv_cache_memory_bytes None while the pool waits to be sized)
+    requested: EngineConfig  # as given: `size_pool` resolves it again with the measured memory
+    model: ModelConfig
+    device_model: ModelConfig  # what one device runs: the model, or its share under tensor parallelism
+    layout: HeadLayout | None  # which heads each device holds (tensor parallelism), else None
+    device: DeviceInfo  # what the defaults are sized for (this machine's first device, or a target's)
+    platform: str  # what the steps compile for: JAX's "cpu" or "gpu"
+    chosen: tuple[str, ...]  # the defaults chosen for the device, as the start-up line says them
+    attention_backend: str
+    matmul_backend: str
+    matmul_hint: str | None  # said at start-up where the matmul backend is not the one asked for
+    packed_dtype: str | None  # the C++ matmul's packed weights, None for XLA's dot
+    sampler_branches: bool  # the sampler branches on device data (not on a GPU: a branch waits for the host)
+    kv_tile: int  # keys per iteration of XLA's attention loop
+    max_positions: int  # positions the rope tables cover (max_model_len before the pool may lower it)
+    prefill_buckets: tuple[int, ...]
+    decode_buckets: tuple[int, ...]
+    async_scheduling: bool
+    spec_batch_limit: int  # speculation's batch limit, 0 without speculation
+    num_pages: int | None  # pages of the KV array, the dummy page 0 included; None until `size_pool`
+
+
+def resolve_async_scheduling(setting: bool | None, platform: str, speculative: bool = False) -> bool:
+    """Unset: on where the device runs apart from the host (a GPU); a CPU's host work and XLA share the cores.
+    Speculative decoding proposes from the tokens read: it runs synchronously."""
+    return setting if setting is not None else platform == "gpu" and not speculative
+
+
+def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, device: DeviceInfo | None = None, *,
+                   platform: str | None = None, dtype: str | None = None) -> ResolvedConfig:
+    """The record for serving a model of `model_cfg` with `cfg` on `device` (this machine's by default).
+    platform: decide for "gpu" or "cpu" instead of this machine (check-lowering). dtype: the engine's dtype
+    when the caller decided it already (`device_defaults.resolve_dtype`: the weights load in it)."""
+    device = device or (DeviceInfo.target(platform) if platform else DeviceInfo.local())
+    tp = cfg.tensor_parallel_size
+    layout = HeadLayout.for_model(model_cfg, tp) if tp > 1 else None
+    device_model = layout.device_config(model_cfg) if layout else model_cfg
+    engine, chosen = device_defaults.resolve(cfg, device_model, device, dtype=dtype)
+    attention = resolve_attention_backend(engine.attention_backend, device_model, engine, platform)
+    matmul = resolve_matmul_backend(engine.matmul_backend, engine, platform)
+    compiled_for = platform or jax.default_backend()
+    spec = engine.speculative_config
+    sized = engine.num_kv_pages is not None or engine.kv_cache_memory_bytes is not None
+    return ResolvedConfig(
+        engine=engine, requested=cfg, model=model_cfg, device_model=device_model, layout=layout, device=device,
+        platform=compiled_for, chosen=chosen,
+        attention_backend=paired_attention_backend(attention, matmul), matmul_backend=matmul,
+        matmul_hint=matmul_hint(cfg.matmul_backend, matmul), packed_dtype=PACKED_DTYPES.get(matmul),
+        sampler_branches=compiled_for != "gpu", kv_tile=min(engine.kv_tile, engine.max_model_len),
+        max_positions=engine.max_model_len,
+        prefill_buckets=tuple(prefill_buckets(engine)), decode_buckets=tuple(decode_buckets(engine)),
+        async_scheduling=resolve_async_scheduling(engine.async_scheduling, compiled_for, spec is not None),
+        spec_batch_limit=spec.batch_limit if spec else 0,
+        num_pages=device_defaults.num_pool_pages(engine, device_model) + 1 if sized else None,
+    )
+
+
+def size_pool(resolved: ResolvedConfig, memory: MemoryUse) -> ResolvedConfig:
+    """The record with its KV pool sized from the device's memory, now that the runner measured what the
+    weights and the largest step take (`memory`); max_model_len may fall to what the pool holds. The
+    buckets, backends and rope tables were settled before and stay."""
+    engine, chosen = device_defaults.resolve(resolved.requested, resolved.device_model, resolved.device, memory,
+                                             dtype=resolved.engine.dtype)
+    return dataclasses.replace(resolved, engine=engine, chosen=chosen,
+                               num_pages=device_defaults.num_pool_pages(engine, resolved.device_model) + 1)
