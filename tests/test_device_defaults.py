@@ -17,7 +17,7 @@ from jaxserve.config.model_config import ModelConfig, RopeConfig
 from jaxserve.config.device_defaults import DeviceInfo, MemoryUse, num_pool_pages, resolve
 from jaxserve.core.engine import LLMEngine
 from jaxserve.config.engine_config import EngineConfig, engine_config_from_args
-from jaxserve.runner.model_runner import decode_buckets, prefill_buckets
+from jaxserve.config.buckets import decode_buckets, prefill_buckets
 
 GiB = 2**30
 CPU = DeviceInfo("cpu", "cpu")

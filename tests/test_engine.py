@@ -10,7 +10,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.runner.compilation import forbid_compilation, num_compilations
 from jaxserve.core.engine import LLMEngine
 from jaxserve.config.engine_config import EngineConfig
-from jaxserve.runner.model_runner import decode_buckets, prefill_buckets
+from jaxserve.config.buckets import decode_buckets, prefill_buckets
 from jaxserve.runner.page_pool import PagePool
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler

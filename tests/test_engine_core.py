@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.runner.model_runner import pick_bucket
+from jaxserve.config.buckets import pick_bucket
 from jaxserve.core.request import RequestStatus
 from tiny_models import make_tiny_model
 

@@ -29,7 +29,7 @@ from jaxserve.distributed import multihost
 from jaxserve.distributed import step_channel as wire
 from jaxserve.config.model_config import ModelConfig, RopeConfig
 from jaxserve.config.engine_config import EngineConfig
-from jaxserve.runner.model_runner import decode_buckets, prefill_buckets
+from jaxserve.config.buckets import decode_buckets, prefill_buckets
 from jaxserve.config.sampling_params import SamplingParams
 from jaxserve.distributed.step_channel import ChannelError
 from jaxserve.runner.step_inputs import ScheduledSeq, StepInputBuilder

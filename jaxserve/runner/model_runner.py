@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config.buckets import decode_buckets, pick_bucket, prefill_buckets  # noqa: F401 - also theirs
+from jaxserve.config.buckets import pick_bucket
 from jaxserve.config.device_defaults import MemoryUse
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.config.model_config import ModelConfig
