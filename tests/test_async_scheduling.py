@@ -16,7 +16,7 @@ import random
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.core.engine import resolve_async_scheduling
+from jaxserve.runner.resolve import resolve_async_scheduling
 from tiny_models import make_tiny_model
 
 MAX_MODEL_LEN, PAGE_SIZE = 256, 8

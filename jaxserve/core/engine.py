@@ -16,7 +16,6 @@ import random
 import threading
 import time
 
-from jaxserve.ops.attention_backends import matmul_hint
 from jaxserve.runner.compilation import enable_persistent_cache, forbid_compilation, num_compilations
 from jaxserve.config import device_defaults
 from jaxserve.distributed import multihost
@@ -24,15 +23,16 @@ from jaxserve.config.device_defaults import DeviceInfo
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.core.detokenizer import IncrementalDetokenizer
 from jaxserve.runner.device_batch import Slots
+from jaxserve.core.startup import log_engine_shape, log_warmup
 from jaxserve.log import STARTUP
 from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.resolve import ResolvedConfig, resolve_config
 from jaxserve.parallel.tensor_parallel import request_cpu_devices
 from jaxserve.runner.page_pool import PagePool
 from jaxserve.core.output_processor import update_requests
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.config.sampling_params import SamplingParams
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
-from jaxserve.config.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE
 from jaxserve.spec_decode.speculative import SpecDecodeStats, NgramProposer
 from jaxserve.core.step_prep import fill_token_bitmask, propose_drafts, row_failure_recorder, scheduled_seqs
 from jaxserve.core.step_records import STEP_PHASES, LaunchedStep, PreparedStep
@@ -41,12 +41,6 @@ from jaxserve.core.validation import check_sampling_params, checked_prompt
 from jaxserve.weights import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_async_scheduling(setting: bool | None, platform: str, speculative: bool = False) -> bool:
-    """Unset: on where the device runs apart from the host (a GPU); a CPU's host work and XLA share the cores.
-    Speculative decoding proposes from the tokens read: it runs synchronously."""
-    return setting if setting is not None else platform == "gpu" and not speculative
 
 
 def _make_proposer(spec, model_cfg, cfg: EngineConfig):
@@ -59,11 +53,15 @@ def _make_proposer(spec, model_cfg, cfg: EngineConfig):
 
 
 class LLMEngine:
-    def __init__(self, model: LoadedModel, cfg: EngineConfig):
+    def __init__(self, model: LoadedModel, cfg: EngineConfig | ResolvedConfig):
+        """cfg: the settings resolved for the model and this machine (`resolve_config`), or an EngineConfig
+        resolved here."""
         self.model_cfg = model.config
         self.tokenizer = model.tokenizer
-        self.runner = ModelRunner(self.model_cfg, cfg, model.params, draw=model.draw)
-        self.cfg = cfg = self.runner.cfg  # every setting a number: those left unset chosen for the device
+        resolved = cfg if isinstance(cfg, ResolvedConfig) else resolve_config(cfg, model.config)
+        self.runner = ModelRunner(self.model_cfg, resolved, model.params, draw=model.draw)
+        self.resolved = resolved = self.runner.resolved  # with the pool sized, where it is sized from memory
+        self.cfg = cfg = resolved.engine  # every setting a number: those left unset chosen for the device
         self.leader: multihost.Leader | None = None  # set by from_config on a multi-host group's rank 0
         self.model = dataclasses.replace(model, params=None, draw=None)  # the runner holds them, in its own layout
         self.pool = PagePool(self.runner.num_pages, cfg.block_size, cfg.enable_prefix_caching)
@@ -75,13 +73,12 @@ class LLMEngine:
         self._ids = itertools.count()
         self.last_schedule = None  # the most recent SchedulerOutput, for tests and debugging
         # Asynchronous scheduling: step N+1 is launched before step N's tokens are read (`_step`)
-        self.async_scheduling = resolve_async_scheduling(cfg.async_scheduling, self.runner.platform,
-                                                         cfg.speculative_config is not None)
+        self.async_scheduling = resolved.async_scheduling
         # Speculative decoding (speculative.py): drafts proposed for decode rows, verified in the step
         spec = cfg.speculative_config
         self.proposer = _make_proposer(spec, self.model_cfg, cfg) if spec else None
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec else None
-        self.spec_max_batch = (spec.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE) if spec else 0
+        self.spec_max_batch = resolved.spec_batch_limit
         self._launched: LaunchedStep | None = None  # launched, tokens not read yet (async scheduling)
         # Each running request's slot in the device batch (model_runner, device_batch.py), keyed by its
         # admission: a preempted request takes a fresh slot when it comes back
@@ -102,37 +99,24 @@ class LLMEngine:
         (None without warm-up). Progress goes to stderr, the engine's shape to the `jaxserve.startup` logger (stderr too)."""
         device_defaults.let_xla_take_the_gpu()  # before JAX starts a GPU
         enable_persistent_cache()
+        request_cpu_devices(cfg.tensor_parallel_size // cfg.nnodes)  # on a CPU: this host's share of the mesh
         multihost.initialize(cfg)  # before any other JAX work; nothing for one node
-        request_cpu_devices(cfg.tensor_parallel_size // cfg.nnodes)
-        dtype = device_defaults.resolve_dtype(cfg.dtype, DeviceInfo.local())  # "auto": the device's
+        device = DeviceInfo.local()
+        dtype = device_defaults.resolve_dtype(cfg.dtype, device)  # decided once: the weights load in it
         if cfg.node_rank > 0:  # a follower serves the leader's steps until the leader stops, then exits
             multihost.run_follower(model, dataclasses.replace(cfg, dtype=dtype), show_progress)
             raise SystemExit(0)
-        engine = cls(load_model(model, dtype, lazy=cfg.tensor_parallel_size > 1, load_format=cfg.load_format,
-                                seed=cfg.seed), cfg)
-        runner = engine.runner
-        if runner.defaults:
-            STARTUP.info("defaults for %s (%s): %s", runner.device.kind, device_defaults.kind_defaults(runner.device).why,
-                         ", ".join(runner.defaults))
-        if hint := matmul_hint(cfg.matmul_backend, runner.matmul_backend):
-            STARTUP.info("%s", hint)
-        STARTUP.info(f"{engine.model_cfg.architecture} from {engine.model.source}; KV cache {runner.num_pages - 1} "
-                     f"pages x {engine.cfg.block_size} tokens = {runner.max_concurrent_tokens} max concurrent tokens "
-                     f"({runner.kv_cache_bytes / 2**20:.0f} MiB)")
-        if runner.mesh is not None:
-            STARTUP.info(f"tensor parallel over {runner.mesh.size} {runner.mesh.devices.flat[0].platform} devices "
-                         f"({runner.parallel.describe()}); per device: weights "
-                         f"{runner.device_weight_bytes / 2**20:.1f} MiB, KV cache "
-                         f"{runner.device_kv_cache_bytes / 2**20:.1f} MiB; {runner.describe_weights_read()}")
+        loaded = load_model(model, dtype, lazy=cfg.tensor_parallel_size > 1, load_format=cfg.load_format,
+                            seed=cfg.seed)
+        engine = cls(loaded, resolve_config(cfg, loaded.config, device, dtype=dtype))
+        log_engine_shape(engine.runner, engine.model.source)
         if not warmup:
             return engine, None
         summary = engine.warmup(show_progress)
-        STARTUP.info(f"{summary['num_executables']} executables ready in {summary['seconds']:.1f} s, "
-                     f"{summary['num_cache_hits']} from the compilation cache (prefill token buckets "
-                     f"{summary['prefill_buckets']}, decode batch buckets {summary['decode_buckets']})")
+        log_warmup(summary)
         if cfg.nnodes > 1:
             STARTUP.info("waiting for %d follower(s)", cfg.nnodes - 1)
-            engine.leader = multihost.Leader(cfg, multihost.fingerprint(runner))  # checked against each follower's
+            engine.leader = multihost.Leader(cfg, multihost.fingerprint(engine.runner))  # checked against each follower's
             engine.runner.on_launch = engine.leader.send_step
         return engine, summary
 

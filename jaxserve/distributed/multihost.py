@@ -131,9 +131,9 @@ def load_secret(cfg: EngineConfig, environ=os.environ) -> bytes:
 
 
 def initialize(cfg: EngineConfig) -> None:
-    """Joins this process to the others (nothing for one node); before any other JAX work, so that each
-    host's CPU devices can still be asked for. On a CPU each host gives tp / nnodes devices. Checks the
-    shared secret first, so that a group without one fails before loading anything."""
+    """Joins this process to the others (nothing for one node); before any other JAX work, and after this
+    host's CPU devices were asked for (on a CPU each host gives tp / nnodes: `LLMEngine.from_config` asks).
+    Checks the shared secret first, so that a group without one fails before loading anything."""
     if cfg.nnodes == 1:
         return
     if not load_secret(cfg):
@@ -141,9 +141,6 @@ def initialize(cfg: EngineConfig) -> None:
                         f"anyone who reaches {cfg.dist_init_addr.rsplit(':', 1)[0]}:{_step_address(cfg)[1]} during "
                         f"start-up could join the group")
     warn_if_loopback(cfg)
-    from jaxserve.parallel.tensor_parallel import request_cpu_devices
-
-    request_cpu_devices(cfg.tensor_parallel_size // cfg.nnodes)
     logger.debug("joining %d processes at %s as rank %d", cfg.nnodes, cfg.dist_init_addr, cfg.node_rank)
     jax.distributed.initialize(coordinator_address=cfg.dist_init_addr, num_processes=cfg.nnodes,
                                process_id=cfg.node_rank)

@@ -1,0 +1,31 @@
+"""The start-up lines an engine prints once built and once warm (`jaxserve.startup` logger, stderr):
+what the device's defaults chose, the KV pool, the mesh, and how long compiling took."""
+
+from __future__ import annotations
+
+from jaxserve.config import device_defaults
+from jaxserve.log import STARTUP
+from jaxserve.runner.model_runner import ModelRunner
+
+
+def log_engine_shape(runner: ModelRunner, source: str) -> None:
+    resolved = runner.resolved
+    if resolved.chosen:
+        STARTUP.info("defaults for %s (%s): %s", resolved.device.kind,
+                     device_defaults.kind_defaults(resolved.device).why, ", ".join(resolved.chosen))
+    if resolved.matmul_hint:
+        STARTUP.info("%s", resolved.matmul_hint)
+    STARTUP.info(f"{resolved.model.architecture} from {source}; KV cache {runner.num_pages - 1} pages x "
+                 f"{runner.cfg.block_size} tokens = {runner.max_concurrent_tokens} max concurrent tokens "
+                 f"({runner.kv_cache_bytes / 2**20:.0f} MiB)")
+    if runner.mesh is not None:
+        STARTUP.info(f"tensor parallel over {runner.mesh.size} {runner.mesh.devices.flat[0].platform} devices "
+                     f"({runner.parallel.describe()}); per device: weights "
+                     f"{runner.device_weight_bytes / 2**20:.1f} MiB, KV cache "
+                     f"{runner.device_kv_cache_bytes / 2**20:.1f} MiB; {runner.describe_weights_read()}")
+
+
+def log_warmup(summary: dict) -> None:
+    STARTUP.info(f"{summary['num_executables']} executables ready in {summary['seconds']:.1f} s, "
+                 f"{summary['num_cache_hits']} from the compilation cache (prefill token buckets "
+                 f"{summary['prefill_buckets']}, decode batch buckets {summary['decode_buckets']})")
