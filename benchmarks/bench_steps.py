@@ -170,11 +170,11 @@ class JaxserveBench:
         for table in self.tables:  # every page the prompt and its decode steps will touch, up front
             assert self.pool.grow(table, prompt_len + self.decode_steps)
 
-        def seq(tokens: list[int], num_computed: int, slot: int) -> ScheduledSeq:
-            # Row i in slot i of the device batch; its row is written by the prefill (its pages are all
+        def seq(tokens: list[int], num_computed: int, req_index: int) -> ScheduledSeq:
+            # Sequence i in row i of the device batch; its row is written by the prefill (its pages are all
             # there from the start), as the engine writes a row only when it changes
-            return ScheduledSeq(tokens, num_computed, self.tables[slot], params=greedy, seed=0, slot=slot,
-                                write_row=num_computed == 0, write_history=num_computed == 0)
+            return ScheduledSeq(tokens, num_computed, self.tables[req_index], params=greedy, seed=0,
+                                req_index=req_index, write_row=num_computed == 0, write_history=num_computed == 0)
 
         def step(seqs: list[ScheduledSeq]) -> np.ndarray:  # what the engine loop does per step
             return self.runner.fetch(self.runner.execute(seqs), len(seqs), with_logprobs=False).token_ids

@@ -145,7 +145,7 @@ def engine_llm(ctx: Context, shape: str, **settings):
 def model_costs(engine, batch: int, context: int) -> dict:
     """A decode step's bytes (every weight once, every cached K/V of the batch once) and FLOPs."""
     cfg, runner = engine.model_cfg, engine.runner
-    kv_bytes_per_token = runner.kv_cache_bytes / (runner.num_pages * engine.cfg.block_size)
+    kv_bytes_per_token = runner.kv_cache_bytes / (runner.num_pages * engine.cfg.page_size)
     num_params = runner.device_weight_bytes / (2 if engine.cfg.dtype == "bfloat16" else 4)
     attention_flops = 4 * batch * context * cfg.num_heads * cfg.head_dim * cfg.num_layers
     return {"bytes": runner.device_weight_bytes + batch * context * kv_bytes_per_token,

@@ -22,7 +22,7 @@ from jaxserve.ops.attention import AttentionMetadata
 class SeqChunk:
     token_ids: Sequence[int]  # this call's new tokens
     num_cached: int  # tokens of this sequence already written to its pages
-    block_table: Sequence[int]  # its pages, in position order
+    page_table: Sequence[int]  # its pages, in position order
 
 
 class Batch(NamedTuple):
@@ -45,8 +45,8 @@ def assign_pages(seq_lens: Sequence[int], page_size: int, num_pages: int, seed: 
     return tables
 
 
-def slot(block_table: Sequence[int], position: int, page_size: int) -> int:
-    return block_table[position // page_size] * page_size + position % page_size
+def slot(page_table: Sequence[int], position: int, page_size: int) -> int:
+    return page_table[position // page_size] * page_size + position % page_size
 
 
 def make_batch(
@@ -65,16 +65,16 @@ def make_batch(
     for s, chunk in enumerate(chunks):
         q_len = len(chunk.token_ids)
         kv_len = chunk.num_cached + q_len
-        assert len(chunk.block_table) * page_size >= kv_len, f"sequence {s} needs more pages"
-        assert 0 not in chunk.block_table, "page 0 is the dummy page"
+        assert len(chunk.page_table) * page_size >= kv_len, f"sequence {s} needs more pages"
+        assert 0 not in chunk.page_table, "page 0 is the dummy page"
         new_positions = range(chunk.num_cached, kv_len)
         rows.append(np.arange(cu_q_lens[-1], cu_q_lens[-1] + q_len))
         token_ids += list(chunk.token_ids)
         positions += list(new_positions)
-        slot_mapping += [slot(chunk.block_table, p, page_size) for p in new_positions]
+        slot_mapping += [slot(chunk.page_table, p, page_size) for p in new_positions]
         cu_q_lens.append(cu_q_lens[-1] + q_len)
         kv_lens.append(kv_len)
-        block_tables[s, : len(chunk.block_table)] = chunk.block_table
+        block_tables[s, : len(chunk.page_table)] = chunk.page_table
     num_padding = num_tokens - len(token_ids)
     assert num_padding >= 0, f"{len(token_ids)=} tokens do not fit in {num_tokens=}"
     token_ids += [0] * num_padding

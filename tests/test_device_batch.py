@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.runner.device_batch import Slots
+from jaxserve.runner.device_batch import ReqIndices
 from tiny_models import make_tiny_model
 
 MAX_MODEL_LEN, PAGE_SIZE = 256, 8
@@ -51,7 +51,7 @@ def _record_steps(llm: LLM):
     launch = engine.runner.launch
 
     def recording(kind, bucket, inputs):
-        rows = [(r, r.num_admissions, len(r.block_table), r.suppressed_token_ids)
+        rows = [(r, r.num_admissions, len(r.page_table), r.suppressed_token_ids)
                 for r, _ in engine.last_schedule.scheduled]
         steps.append((rows, inputs))
         return launch(kind, bucket, inputs)
@@ -71,7 +71,7 @@ def test_a_step_writes_only_the_rows_that_changed(ample):
         ample.generate(_prompts(12, seed=0), params, use_tqdm=False)
     finally:
         del ample.engine.runner.launch
-    num_slots = ample.engine.runner.inputs.num_slots
+    num_rows = ample.engine.runner.inputs.num_rows
     seen, expected, written, rows_run, quiet_steps = {}, 0, 0, 0, 0
     for rows, inputs in steps:
         assert inputs.sampling is None and inputs.md.block_tables is None
@@ -81,7 +81,7 @@ def test_a_step_writes_only_the_rows_that_changed(ample):
             changed += seen.get(request) != version
             seen[request] = version
         updates = inputs.row_updates
-        num_written = 0 if updates is None else int((updates.slots < num_slots).sum())
+        num_written = 0 if updates is None else int((updates.req_indices < num_rows).sum())
         assert num_written == changed
         written, expected, rows_run = written + num_written, expected + changed, rows_run + len(rows)
         quiet_steps += updates is None
@@ -105,16 +105,16 @@ def test_a_decode_step_sends_a_fraction_of_the_per_row_state(ample):
                      + 8 * builder.cfg.pages_per_seq * 4)
     decode = [inputs for rows, inputs in steps if len(rows) == 8 and all(len(r.output_token_ids) > 2 for r, *_ in rows)]
     assert len(decode) > 10
-    num_slots = ample.engine.runner.inputs.num_slots
+    num_rows = ample.engine.runner.inputs.num_rows
     for inputs in decode:  # its tokens and row indices, and only the rows written (padded to a bucket)
         assert sum(x.nbytes for x in jax.tree.leaves(inputs._replace(row_updates=None))) < per_row_state / 50
         updates = inputs.row_updates
         if updates is not None:
-            bucket = len(updates.slots)
+            bucket = len(updates.req_indices)
             assert sum(x.nbytes for x in jax.tree.leaves(updates)) == sum(
                 x.size * x.dtype.itemsize for x in jax.tree.leaves(builder.update_shapes(bucket)))
-            assert bucket < 2 * int((updates.slots < num_slots).sum())
-    rows_written = sum(int((inputs.row_updates.slots < num_slots).sum()) for inputs in decode if inputs.row_updates)
+            assert bucket < 2 * int((updates.req_indices < num_rows).sum())
+    rows_written = sum(int((inputs.row_updates.req_indices < num_rows).sum()) for inputs in decode if inputs.row_updates)
     assert rows_written <= len(decode) * 8 / PAGE_SIZE + 8, (rows_written, len(decode))
 
 
@@ -135,9 +135,9 @@ def test_penalties_see_the_same_tokens_after_preemption(ample, small):
 
 
 def test_slots_are_taken_back_from_gone_sequences_only():
-    slots, live = Slots(4), {"a", "b", "c"}  # 3 slots to give, the 4th is padding's
+    slots, live = ReqIndices(4), {"a", "b", "c"}  # 3 slots to give, the 4th is padding's
     placed = {key: slots.place(key, 0, live.__contains__) for key in ("a", "b", "c")}
-    assert sorted(slot for slot, _, _ in placed.values()) == [0, 1, 2] and slots.padding_slot == 3
+    assert sorted(slot for slot, _, _ in placed.values()) == [0, 1, 2] and slots.padding_index == 3
     assert all(write and history for _, write, history in placed.values())
     assert slots.place("a", 0, live.__contains__) == (placed["a"][0], False, False)  # unchanged: no write
     assert slots.place("a", 1, live.__contains__) == (placed["a"][0], True, False)  # changed: its row only
@@ -178,7 +178,7 @@ def test_a_step_hands_its_executable_two_host_arrays(ample):
         assert tokens.dtype == seqs.dtype == np.int32 and tokens.shape == (4, bucket)
         assert seqs.shape == (5, len(inputs.md.kv_lens) + 1)
         back = jax.jit(step_inputs.unpack)(tokens, seqs)
-        for name in ("token_ids", "positions", "prev_rows", "logits_indices", "row_slots", "samples"):
+        for name in ("token_ids", "positions", "prev_rows", "logits_indices", "req_indices", "samples"):
             np.testing.assert_array_equal(np.asarray(getattr(back, name)), getattr(inputs, name), err_msg=name)
         for name in ("slot_mapping", "cu_q_lens", "kv_lens"):
             np.testing.assert_array_equal(np.asarray(getattr(back.md, name)), getattr(inputs.md, name), err_msg=name)

@@ -229,7 +229,7 @@ def test_preemption_frees_pages_and_requeues_the_newest():
     scheduler.update_from_output(out, [1, 1])  # both now hold 9 tokens: 3 + 3 pages > 5 usable
     out = scheduler.schedule()
     assert out.preempted == [second] and second.status is RequestStatus.PREEMPTED
-    assert second.block_table == [] and second.num_computed_tokens == 0
+    assert second.page_table == [] and second.num_computed_tokens == 0
     assert scheduler.waiting[0] is second and scheduler.num_preemptions == 1
     assert [r.request_id for r, _ in out.scheduled] == ["first"]
 

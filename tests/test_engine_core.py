@@ -192,11 +192,11 @@ def _check_pages(engine) -> None:
     """Every page's ref count equals the number of live block tables holding it; page 0 is never held."""
     holders = np.zeros(engine.pool.num_pages, np.int64)
     for request in engine.scheduler.running:
-        table = request.block_table
+        table = request.page_table
         assert len(set(table)) == len(table) and 0 not in table, table
         np.add.at(holders, table, 1)
     for request in engine.scheduler.waiting:
-        assert request.block_table == []
+        assert request.page_table == []
     assert list(holders) == engine.pool.ref_counts
     assert engine.pool.num_used_pages == int((holders > 0).sum())
 

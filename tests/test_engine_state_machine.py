@@ -182,7 +182,7 @@ class EngineMachine(RuleBasedStateMachine):
         running = self.engine.scheduler.running
         request = running[data.draw(st.integers(0, len(running) - 1))]
         self.engine.scheduler.preempt(request)
-        assert request.status is RequestStatus.PREEMPTED and request.block_table == []
+        assert request.status is RequestStatus.PREEMPTED and request.page_table == []
         self.num_forced_preemptions += 1
 
     @precondition(lambda self: self.ended)
@@ -246,7 +246,7 @@ class EngineMachine(RuleBasedStateMachine):
         request_id, reason = request.request_id, request.finish_reason
         assert request_id in self.live, f"{request_id} ended twice (first as {self.ended[request_id][1]})"
         assert reason in FINISH_REASONS, reason
-        assert request.block_table == [], (request_id, request.block_table)
+        assert request.page_table == [], (request_id, request.page_table)
         output, params = request.output_token_ids, request.sampling_params
         if reason == "length":
             assert len(output) == request.max_tokens
@@ -279,14 +279,14 @@ class EngineMachine(RuleBasedStateMachine):
         assert keys == sorted(keys), keys
         for request_id, (request, reason) in self.ended.items():
             assert request.finish_reason == reason, (request_id, reason, request.finish_reason)
-            assert request.block_table == [], request_id
+            assert request.page_table == [], request_id
 
     @invariant()
     def check_pages(self):
         pool, scheduler = self.engine.pool, self.engine.scheduler
         owners = collections.Counter()
         for request in scheduler.running:
-            table = request.block_table
+            table = request.page_table
             assert len(set(table)) == len(table), (request.request_id, table)
             assert 0 < request.num_computed_tokens < request.num_tokens, request.request_id
             assert len(table) == -(-request.num_computed_tokens // PAGE_SIZE), (
@@ -296,7 +296,7 @@ class EngineMachine(RuleBasedStateMachine):
                 if pool.page_hashes[page] is not None:
                     assert i < len(request.page_hashes) and pool.page_hashes[page] == request.page_hashes[i]
         for request in scheduler.waiting:
-            assert request.block_table == [] and request.num_computed_tokens == 0, request.request_id
+            assert request.page_table == [] and request.num_computed_tokens == 0, request.request_id
         assert owners[0] == 0 and pool.ref_counts[0] == 0 and 0 not in pool._free
         assert pool.page_hashes[0] is None
         for page in range(1, pool.num_pages):

@@ -63,7 +63,7 @@ def _assert_isolated(engine, requests, broken: int, alone: dict[int, list[int]],
         if i == broken:
             assert request.status is RequestStatus.FINISHED_ERROR and request.finish_reason == "error"
             assert request.error == message
-            assert request.block_table == []
+            assert request.page_table == []
         else:
             assert request.finish_reason == "length", (i, request.finish_reason)
             assert request.output_token_ids == alone[i], i

@@ -162,9 +162,9 @@ def _prefill_step(runner: FakeRunner):
 
 
 def _decode_step(runner: FakeRunner):
-    seqs = [ScheduledSeq([11], 12, [1, 2], SamplingParams(), seed=1, slot=0, write_row=False, write_history=False),
-            ScheduledSeq([12], 7, [3], SamplingParams(), seed=2, slot=1, write_row=False, write_history=False),
-            ScheduledSeq([13], 3, [4], SamplingParams(), seed=5, slot=None)]
+    seqs = [ScheduledSeq([11], 12, [1, 2], SamplingParams(), seed=1, req_index=0, write_row=False, write_history=False),
+            ScheduledSeq([12], 7, [3], SamplingParams(), seed=2, req_index=1, write_row=False, write_history=False),
+            ScheduledSeq([13], 3, [4], SamplingParams(), seed=5, req_index=None)]
     return runner.prepare(seqs)
 
 

@@ -390,7 +390,7 @@ def test_abort_frees_pages_of_running_and_waiting_requests():
     assert decoding.output_token_ids == [7, 7] and prefilling.output_token_ids == []
     for request in (decoding, prefilling):
         assert request.status is RequestStatus.FINISHED_ABORTED and request.finish_reason == "abort"
-        assert request.block_table == []
+        assert request.page_table == []
     assert scheduler.pool.num_used_pages == 0 and scheduler.running == []
 
     scheduler.finish(waiting, RequestStatus.FINISHED_ABORTED)
@@ -430,7 +430,7 @@ def test_preemption_victim_is_lowest_priority_then_most_recently_admitted():
     # low goes first although admitted before mid1 and mid2; then the later of the two equals
     assert victims == ["low", "mid2", "mid1"]
     assert scheduler.num_preemptions == 3
-    assert all(r.block_table == [] and r.num_computed_tokens == 0 for r in (low, mid1, mid2))
+    assert all(r.page_table == [] and r.num_computed_tokens == 0 for r in (low, mid1, mid2))
     assert all(r.status is RequestStatus.PREEMPTED and r.output_token_ids for r in (low, mid1, mid2))
     assert [r.request_id for r in scheduler.waiting] == ["mid1", "mid2", "low"]
 
@@ -472,7 +472,7 @@ def test_preempted_request_is_readmitted_and_hits_its_own_cached_pages():
     scheduler.add_request(first)
     scheduler.add_request(second)
     _step(scheduler, token=11)  # both: 8-token prompts (2 full cached pages each) + 1 output token
-    old_table = list(second.block_table)
+    old_table = list(second.page_table)
     computed_before = scheduler.num_computed_prompt_tokens
     cached_before = scheduler.num_cached_prompt_tokens
     assert (computed_before, cached_before) == (16, 0)
@@ -491,7 +491,7 @@ def test_preempted_request_is_readmitted_and_hits_its_own_cached_pages():
         readmitted = dict(_ids(out)).get("second")
     assert first.status is RequestStatus.FINISHED_LENGTH  # it had to finish to make room
     # both full prompt pages were still cached: only the one token after them is recomputed
-    assert second.block_table[:2] == old_table and readmitted == 1
+    assert second.page_table[:2] == old_table and readmitted == 1
     assert scheduler.pool.num_hit_tokens - hits_before == 8
     assert second.output_token_ids == [11, 13] and second.status is RequestStatus.RUNNING
     # the prompt is counted once, at first admission: a re-admission is neither "computed" nor "cached"

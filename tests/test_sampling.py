@@ -599,12 +599,12 @@ def test_n_samples_are_distinct_and_share_prompt_pages(llm):
     for request in group:
         engine.add_request(request)
     engine.step()
-    first_pages = group[0].block_table[:shared // 8]
+    first_pages = group[0].page_table[:shared // 8]
     assert len(first_pages) == 5 - 1
     for request in group:
-        assert request.block_table[:len(first_pages)] == first_pages
+        assert request.page_table[:len(first_pages)] == first_pages
     assert [engine.pool.ref_counts[p] for p in first_pages] == [4] * len(first_pages)
-    assert len({r.block_table[-1] for r in group}) == 4  # each computes its last prompt page itself
+    assert len({r.page_table[-1] for r in group}) == 4  # each computes its last prompt page itself
     while engine.has_unfinished:
         engine.step()
     assert [engine.pool.ref_counts[p] for p in first_pages] == [0] * len(first_pages)

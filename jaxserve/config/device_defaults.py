@@ -87,7 +87,7 @@ def num_pool_pages(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
         return cfg.num_kv_pages
     assert cfg.kv_cache_memory_bytes is not None, "the pool is sized from memory: measure first"
     # The array's dummy page 0 comes out of the same budget
-    page_bytes = model_cfg.kv_bytes_per_token(resolve_kv_cache_dtype(cfg)) * cfg.block_size
+    page_bytes = model_cfg.kv_bytes_per_token(resolve_kv_cache_dtype(cfg)) * cfg.page_size
     return cfg.kv_cache_memory_bytes // page_bytes - 1
 
 
@@ -137,9 +137,9 @@ def resolve(cfg: EngineConfig, model_cfg: ModelConfig, device: DeviceInfo,
 
     context = model_cfg.max_position_embeddings
     pool_tokens = None if cfg.num_kv_pages is None and cfg.kv_cache_memory_bytes is None else (
-        num_pool_pages(cfg, model_cfg) * cfg.block_size)
+        num_pool_pages(cfg, model_cfg) * cfg.page_size)
     if cfg.num_kv_pages is None and pool_tokens is not None and pool_tokens <= 0:
-        page_bytes = model_cfg.kv_bytes_per_token(cfg.kv_cache_dtype) * cfg.block_size
+        page_bytes = model_cfg.kv_bytes_per_token(cfg.kv_cache_dtype) * cfg.page_size
         raise ValueError(f"kv_cache_memory_bytes={cfg.kv_cache_memory_bytes} holds "
                          f"{cfg.kv_cache_memory_bytes // page_bytes} pages of {page_bytes} bytes; at least 2 are needed")
     if cfg.max_model_len is not None:

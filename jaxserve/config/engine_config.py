@@ -226,9 +226,14 @@ class EngineConfig:
               "it cannot be combined with forbid_compilation_after_warmup=True")
 
     @property
+    def page_size(self) -> int:
+        """Tokens per KV page: vLLM's block_size."""
+        return self.block_size
+
+    @property
     def pages_per_seq(self) -> int:
         assert self.max_model_len is not None, "resolve the defaults first (device_defaults.resolve)"
-        return -(-self.max_model_len // self.block_size)
+        return -(-self.max_model_len // self.page_size)
 
 
 def engine_config_from_kwargs(**kwargs) -> EngineConfig:

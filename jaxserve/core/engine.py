@@ -22,7 +22,7 @@ from jaxserve.distributed import multihost
 from jaxserve.config.device_defaults import DeviceInfo
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.core.detokenizer import IncrementalDetokenizer
-from jaxserve.runner.device_batch import Slots
+from jaxserve.runner.device_batch import ReqIndices
 from jaxserve.core.startup import log_engine_shape, log_warmup
 from jaxserve.log import STARTUP
 from jaxserve.runner.model_runner import ModelRunner
@@ -64,7 +64,7 @@ class LLMEngine:
         self.cfg = cfg = resolved.engine  # every setting a number: those left unset chosen for the device
         self.leader: multihost.Leader | None = None  # set by from_config on a multi-host group's rank 0
         self.model = dataclasses.replace(model, params=None, draw=None)  # the runner holds them, in its own layout
-        self.pool = PagePool(self.runner.num_pages, cfg.block_size, cfg.enable_prefix_caching)
+        self.pool = PagePool(self.runner.num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.pool, self.runner.prefill_buckets)
         self.requests: dict[str, Request] = {}
         self.grammars = Grammars(model.tokenizer, self.model_cfg.vocab_size)  # structured output, compiled and cached
@@ -80,9 +80,9 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec else None
         self.spec_max_batch = resolved.spec_batch_limit
         self._launched: LaunchedStep | None = None  # launched, tokens not read yet (async scheduling)
-        # Each running request's slot in the device batch (model_runner, device_batch.py), keyed by its
-        # admission: a preempted request takes a fresh slot when it comes back
-        self.slots = Slots(self.runner.inputs.num_slots)
+        # Each running request's row in the device batch, its req_index (model_runner, device_batch.py),
+        # keyed by its admission: a preempted request takes a fresh row when it comes back
+        self.req_indices = ReqIndices(self.runner.inputs.num_rows)
         self.num_steps = 0  # steps that ran the model
         self.step_seconds = 0.0  # wall time inside those steps: scheduling, the model, detokenizing
         # Of that, per phase: scheduling, building the inputs, launching the step, waiting for its tokens
@@ -224,7 +224,7 @@ class LLMEngine:
         clock = time.perf_counter()
         failed: dict[Request, str] = {}
         drafts = self._propose(output)
-        seqs, rows = scheduled_seqs(output, drafts, self.slots, failed)
+        seqs, rows = scheduled_seqs(output, drafts, self.req_indices, failed)
         with_logprobs = any(r.sampling_params.logprobs is not None for r, _ in output.scheduled)
         kind, bucket, inputs = self.runner.prepare(seqs, on_row_error=row_failure_recorder(output, rows, failed))
         clock = self._timed("inputs", clock)

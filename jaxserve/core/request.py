@@ -44,8 +44,8 @@ class Request:
     # scheduling, the host reads a step's tokens after launching the next), and the newest one's row
     num_pending_tokens: int = 0
     pending_row: int = -1
-    block_table: list[int] = dataclasses.field(default_factory=list)
-    num_page_trims: int = 0  # times rejected drafts' pages were cut from block_table (its pages may differ)
+    page_table: list[int] = dataclasses.field(default_factory=list)
+    num_page_trims: int = 0  # times rejected drafts' pages were cut from page_table (its pages may differ)
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of the full pages so far
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at (last) admission
     num_admissions: int = 0  # times the scheduler admitted it (more than once after preemptions)

@@ -151,7 +151,7 @@ class Scheduler:
                 continue
             num_new = min(prefills.chunk(request), budget)
             assert num_new > 0, request.request_id
-            while not self.pool.grow(request.block_table, request.num_computed_tokens + num_new):
+            while not self.pool.grow(request.page_table, request.num_computed_tokens + num_new):
                 # Victims come from this request and those not yet scheduled this step: pages of a
                 # scheduled request may already be registered in the prefix cache before computing.
                 victim = max(self.running[i:], key=lambda r: (self._rank(r), self.running.index(r)))
@@ -210,10 +210,10 @@ class Scheduler:
         max_cached_pages = (request.num_tokens - 1) // self.pool.page_size  # leave >= 1 token to compute
         counters = self.pool.num_queried_tokens, self.pool.num_hit_tokens
         cached = self.pool.lookup(request.page_hashes, max_cached_pages)
-        request.block_table, request.num_computed_tokens = cached, len(cached) * self.pool.page_size
+        request.page_table, request.num_computed_tokens = cached, len(cached) * self.pool.page_size
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-        if not self.pool.grow(request.block_table, request.num_computed_tokens + num_new):
-            self.pool.free(request.block_table)
+        if not self.pool.grow(request.page_table, request.num_computed_tokens + num_new):
+            self.pool.free(request.page_table)
             request.num_computed_tokens = 0
             self.pool.num_queried_tokens, self.pool.num_hit_tokens = counters  # it will ask again
             return False
@@ -234,7 +234,7 @@ class Scheduler:
         if full > len(request.page_hashes):
             request.page_hashes = self.pool.page_hashes_of(request.all_token_ids[: full * self.pool.page_size],
                                                            request.page_hashes)
-        self.pool.cache_full_pages(request.block_table[:full], request.page_hashes[:full])
+        self.pool.cache_full_pages(request.page_table[:full], request.page_hashes[:full])
 
     def preempt(self, request: Request) -> None:
         """Sends a running request back to the waiting queue, as running out of pages does: its pages
@@ -245,7 +245,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.pool.free(request.block_table)
+        self.pool.free(request.page_table)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         self._enqueue(request)
@@ -293,7 +293,7 @@ class Scheduler:
                 if request.status is RequestStatus.RUNNING:
                     request.num_computed_tokens += len(own_rows) - 1  # the accepted drafts' K/V are written
                     # Pages that held only rejected drafts go back; the table may regrow with other pages
-                    request.num_page_trims += self.pool.shrink(request.block_table, request.num_tokens)
+                    request.num_page_trims += self.pool.shrink(request.page_table, request.num_tokens)
                     self._cache_known_pages(request)
         return updated
 
@@ -331,7 +331,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.pool.free(request.block_table)
+        self.pool.free(request.page_table)
 
 
 def _logprob_entry(sampled, row: int, num_top: int) -> dict[int, float]:

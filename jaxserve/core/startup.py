@@ -16,7 +16,7 @@ def log_engine_shape(runner: ModelRunner, source: str) -> None:
     if resolved.matmul_hint:
         STARTUP.info("%s", resolved.matmul_hint)
     STARTUP.info(f"{resolved.model.architecture} from {source}; KV cache {runner.num_pages - 1} pages x "
-                 f"{runner.cfg.block_size} tokens = {runner.max_concurrent_tokens} max concurrent tokens "
+                 f"{runner.cfg.page_size} tokens = {runner.max_concurrent_tokens} max concurrent tokens "
                  f"({runner.kv_cache_bytes / 2**20:.0f} MiB)")
     if runner.mesh is not None:
         STARTUP.info(f"tensor parallel over {runner.mesh.size} {runner.mesh.devices.flat[0].platform} devices "

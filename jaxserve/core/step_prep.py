@@ -2,8 +2,8 @@
 
 It owns the draft tokens a step proposes (`propose_drafts`), the `ScheduledSeq` of each scheduled
 request and of each of its drafts (`scheduled_seqs`: new tokens, a placeholder for a token still on
-the device, its slot in the device batch and whether that row must be written) and the structured-output
-token bitmask of each constrained row that samples (`fill_token_bitmask`). A request whose part fails is
+the device, its row in the device batch (its req_index) and whether that row must be written) and the
+structured-output token bitmask of each constrained row that samples (`fill_token_bitmask`). A request whose part fails is
 recorded in the step's `failed` and runs as an inert greedy row; the others go on.
 
 What this module does not own: which requests run (scheduler.py), the padded arrays and the device
@@ -21,7 +21,7 @@ from jaxserve.config.sampling_params import SamplingParams
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import SchedulerOutput
 from jaxserve.core.structured_output import Grammars
-from jaxserve.runner.device_batch import Slots
+from jaxserve.runner.device_batch import ReqIndices
 from jaxserve.runner.page_pool import PagePool
 from jaxserve.runner.step_inputs import ScheduledSeq, StepInputs
 
@@ -61,27 +61,28 @@ def propose_drafts(output: SchedulerOutput, proposer, cfg: EngineConfig, pool: P
     for i, draft in zip(eligible, proposals):
         request = output.scheduled[i][0]
         draft = list(draft)[:room]
-        if draft and pool.grow(request.block_table, request.num_computed_tokens + 1 + len(draft)):
+        if draft and pool.grow(request.page_table, request.num_computed_tokens + 1 + len(draft)):
             none[i] = draft
             room -= len(draft)
     return none
 
 
-def scheduled_seqs(output: SchedulerOutput, drafts: list[list[int]], slots: Slots, failed: dict[Request, str]
-                   ) -> tuple[list[ScheduledSeq], list[list[int]]]:
+def scheduled_seqs(output: SchedulerOutput, drafts: list[list[int]], req_indices: ReqIndices,
+                   failed: dict[Request, str]) -> tuple[list[ScheduledSeq], list[list[int]]]:
     """The step's sequences, and per scheduled request its rows among them: its own, then one per draft."""
     seqs, rows = [], []
     for (request, n), draft in zip(output.scheduled, drafts):
         rows.append(list(range(len(seqs), len(seqs) + 1 + len(draft))))
-        seq = scheduled_seq(request, n, slots, failed)
-        # Each draft a decode row of its own at its position, sharing the sequence's slot (speculative.py)
+        seq = scheduled_seq(request, n, req_indices, failed)
+        # Each draft a decode row of its own at its position, sharing the sequence's req_index (speculative.py)
         seqs += [seq] + [dataclasses.replace(seq, token_ids=[token], num_computed_tokens=seq.num_computed_tokens + 1 + j,
                                              history=None, write_row=False, write_history=False)
                          for j, token in enumerate(draft)]
     return seqs, rows
 
 
-def scheduled_seq(request: Request, num_new: int, slots: Slots, failed: dict[Request, str]) -> ScheduledSeq:
+def scheduled_seq(request: Request, num_new: int, req_indices: ReqIndices, failed: dict[Request, str]
+                  ) -> ScheduledSeq:
     start, params = request.num_computed_tokens, request.sampling_params
     # With asynchronous scheduling the last token may still be on the device: a placeholder here
     num_pending = start + num_new - (request.num_tokens - request.num_pending_tokens)
@@ -89,17 +90,17 @@ def scheduled_seq(request: Request, num_new: int, slots: Slots, failed: dict[Req
     new_tokens = request.token_ids_between(start, start + num_new) + [PLACEHOLDER] * max(num_pending, 0)
     try:
         suppress_ids = request.suppressed_token_ids
-        slot, write_row, write_history = slots.place(
-            (request, request.num_admissions), (len(request.block_table), request.num_page_trims, suppress_ids),
-            holds_slot)
+        req_index, write_row, write_history = req_indices.place(
+            (request, request.num_admissions), (len(request.page_table), request.num_page_trims, suppress_ids),
+            holds_req_index)
         samples = start + num_new == request.num_tokens
         write_row |= samples and request.grammar is not None  # its token bitmask changes every step
-        # A request takes its slot when admitted, before any token of it is pending: its history is whole
+        # A request takes its row when admitted, before any token of it is pending: its history is whole
         assert not (write_history and request.num_pending_tokens), request.request_id
         return ScheduledSeq(
             token_ids=new_tokens,
             num_computed_tokens=start,
-            block_table=request.block_table,
+            page_table=request.page_table,
             params=params,
             seed=request.seed,
             prompt_len=len(request.prompt_token_ids),
@@ -107,19 +108,19 @@ def scheduled_seq(request: Request, num_new: int, slots: Slots, failed: dict[Req
             suppress_ids=suppress_ids,
             prev_row=request.pending_row if num_pending > 0 else None,
             samples=samples,
-            slot=slot,
+            req_index=req_index,
             write_row=write_row,
             write_history=write_history,
         )
     except Exception:  # noqa: BLE001 - one request's failure must not end the others' step
         logger.exception("request %s: preparing its step failed", request.request_id)
         failed.setdefault(request, "preparing its step failed")
-        return ScheduledSeq(new_tokens, start, request.block_table, INERT_PARAMS, seed=0,
-                            slot=slots.padding_slot, write_row=False, write_history=False)
+        return ScheduledSeq(new_tokens, start, request.page_table, INERT_PARAMS, seed=0,
+                            req_index=req_indices.padding_index, write_row=False, write_history=False)
 
 
-def holds_slot(key: tuple[Request, int]) -> bool:
-    """Whether the device batch's slot of (request, admission) is still its: running since then."""
+def holds_req_index(key: tuple[Request, int]) -> bool:
+    """Whether the device batch's row of (request, admission) is still its: running since then."""
     request, admission = key
     return request.status is RequestStatus.RUNNING and request.num_admissions == admission
 
@@ -147,8 +148,8 @@ def fill_token_bitmask(grammars: Grammars, output: SchedulerOutput, first_rows: 
     if not constrained:  # the common step: no per-row work at all
         return
     updates = inputs.row_updates
-    update_of_slot = {int(slot): u for u, slot in enumerate(updates.slots)}
-    rows = {update_of_slot[int(inputs.row_slots[row])]: request for row, request in constrained}
+    update_of_row = {int(req_index): u for u, req_index in enumerate(updates.req_indices)}
+    rows = {update_of_row[int(inputs.req_indices[row])]: request for row, request in constrained}
     bitmask = updates.sampling.token_bitmask  # [U, words]
     try:
         grammars.fill_bitmasks([(request.grammar, u) for u, request in rows.items()], bitmask)

@@ -204,7 +204,7 @@ def fingerprint(runner) -> dict[str, str]:
         "model": f"{model.architecture}, {model.num_layers} layers, hidden {model.hidden_size}, vocab "
                  f"{model.vocab_size} (config {digest})",
         "dtype": str(cfg.dtype), "kv_cache_dtype": str(cfg.kv_cache_dtype),
-        "kv_pages": str(runner.num_pages), "block_size": str(cfg.block_size),
+        "kv_pages": str(runner.num_pages), "block_size": str(cfg.page_size),
         "max_model_len": str(cfg.max_model_len), "max_num_seqs": str(cfg.max_num_seqs),
         "max_num_batched_tokens": str(cfg.max_num_batched_tokens),
         "prefill_buckets": str(list(runner.prefill_buckets)), "decode_buckets": str(list(runner.decode_buckets)),

@@ -267,11 +267,12 @@ def check_step(runner, kind: str, bucket: int, arrays: dict[str, np.ndarray]) ->
     buckets = runner.decode_buckets if kind == "decode" else runner.prefill_buckets
     if bucket not in buckets:
         raise ChannelError(f"a {kind} step of bucket {bucket}, which this follower has not compiled ({buckets})")
-    slots = arrays.get("row_updates.slots")
-    num_rows = 0 if slots is None or slots.ndim != 1 else slots.shape[0]
-    if slots is not None and num_rows not in runner.inputs.update_buckets:
-        raise ChannelError(f"row updates of shape {slots.shape}; the update buckets are {runner.inputs.update_buckets}")
-    expected = expected_step_arrays(runner, kind, bucket, num_rows)
+    req_indices = arrays.get("row_updates.req_indices")
+    num_updates = 0 if req_indices is None or req_indices.ndim != 1 else req_indices.shape[0]
+    if req_indices is not None and num_updates not in runner.inputs.update_buckets:
+        raise ChannelError(f"row updates of shape {req_indices.shape}; the update buckets are "
+                           f"{runner.inputs.update_buckets}")
+    expected = expected_step_arrays(runner, kind, bucket, num_updates)
     if set(arrays) != set(expected):
         raise ChannelError(f"a {kind} step of bucket {bucket} lacks {sorted(set(expected) - set(arrays))} and "
                            f"has {sorted(set(arrays) - set(expected))} extra")

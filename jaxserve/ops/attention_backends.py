@@ -41,7 +41,7 @@ def _kernel_support_error(model_cfg: ModelConfig, engine_cfg: EngineConfig, inte
 
     try:
         check_supported(num_heads=model_cfg.num_heads, num_kv_heads=model_cfg.num_kv_heads,
-                        head_dim=model_cfg.head_dim, page_size=engine_cfg.block_size,
+                        head_dim=model_cfg.head_dim, page_size=engine_cfg.page_size,
                         dtype=jnp.dtype(engine_cfg.dtype), interpret=interpret)
     except UnsupportedShapeError as e:
         return str(e)

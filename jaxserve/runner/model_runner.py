@@ -58,18 +58,18 @@ def _step(params, kv_cache, inputs: StepInputs, *, cfg: ModelConfig, q_tile: int
 
 
 def _batch_step(params, kv_cache, state: BatchState, packed: tuple[jax.Array, jax.Array], *, step: Callable):
-    """`step` over the persistent device batch (`device_batch.py`): each row's block table and sampling
-    settings come from its slot, a token whose `prev_rows` entry is r >= 0 is the one row r of the
-    previous step sampled (asynchronous scheduling: the host has not read it), and the sampled tokens
-    go back into the state. `packed`: the step's inputs as `step_inputs.pack` gives them. Returns
+    """`step` over the persistent device batch (`device_batch.py`): each sequence's page table and
+    sampling settings come from its row there (its req_index), a token whose `prev_rows` entry is r >= 0
+    is the one row r of the previous step sampled (asynchronous scheduling: the host has not read it),
+    and the sampled tokens go back into the state. `packed`: the step's inputs as `step_inputs.pack` gives them. Returns
     (sampler output, kv_cache, state)."""
     inputs = step_inputs.unpack(*packed)
     token_ids = jnp.where(inputs.prev_rows >= 0, state.last_tokens[jnp.maximum(inputs.prev_rows, 0)],
                           inputs.token_ids)
-    block_tables, rows = device_batch.gather(state, inputs.row_slots, inputs.md.kv_lens)
+    block_tables, rows = device_batch.gather(state, inputs.req_indices, inputs.md.kv_lens)
     sampled, kv_cache = step(params, kv_cache, inputs._replace(
         token_ids=token_ids, md=inputs.md._replace(block_tables=block_tables), sampling=rows))
-    state = device_batch.append_tokens(state, inputs.row_slots, inputs.md.kv_lens, inputs.samples,
+    state = device_batch.append_tokens(state, inputs.req_indices, inputs.md.kv_lens, inputs.samples,
                                        sampled.token_ids, rows)
     return sampled, kv_cache, state
 
@@ -119,7 +119,7 @@ class ModelRunner:
         self.batch_state = BatchState(*jax.tree.map(self._replicated, self.inputs.initial_state()))
         logger.debug(
             "KV cache: %d pages of %d tokens (%d max concurrent tokens), %.1f MiB; %s attention, %s matmuls",
-            self.num_pages - 1, self.cfg.block_size, self.max_concurrent_tokens,
+            self.num_pages - 1, self.cfg.page_size, self.max_concurrent_tokens,
             self.kv_cache_bytes / 2**20, self.attention_backend, self.matmul_backend,
         )
         if self.parallel:
@@ -166,7 +166,7 @@ class ModelRunner:
 
     def _init_kv_cache(self, num_pages: int):
         make = init_kv_cache if self.parallel is None else self.parallel.init_kv_cache
-        return make(self.model_cfg, num_pages, self.cfg.block_size, self.cfg.kv_cache_dtype)
+        return make(self.model_cfg, num_pages, self.cfg.page_size, self.cfg.kv_cache_dtype)
 
     def _step_bytes(self) -> int:
         """The most memory one step needs besides the weights and the KV pages: XLA's memory analysis of
@@ -193,7 +193,7 @@ class ModelRunner:
 
     @property
     def max_concurrent_tokens(self) -> int:
-        return (self.num_pages - 1) * self.cfg.block_size
+        return (self.num_pages - 1) * self.cfg.page_size
 
     # -- compilation ------------------------------------------------------------------------------
 
@@ -207,10 +207,10 @@ class ModelRunner:
         todo = [key for key in todo if key not in self._executables]
         self._executables |= compilation.compile_all(lambda key: self.lower(*key), todo, "compiling buckets",
                                                      show_progress)
-        for num_rows in self.inputs.update_buckets:  # the device batch's row writers: small, quick to compile
-            if num_rows not in self._row_writers:
-                self._row_writers[num_rows] = self._write_rows.trace(
-                    self._state_shapes(), self.inputs.update_shapes(num_rows)).lower().compile()
+        for num_updates in self.inputs.update_buckets:  # the device batch's row writers: small, quick to compile
+            if num_updates not in self._row_writers:
+                self._row_writers[num_updates] = self._write_rows.trace(
+                    self._state_shapes(), self.inputs.update_shapes(num_updates)).lower().compile()
         summary = {
             "num_executables": len(self._executables),
             "num_row_writers": len(self._row_writers),
@@ -274,7 +274,7 @@ class ModelRunner:
         if (kind, bucket) not in self._executables:
             self.warmup(show_progress=False)  # only before warm-up ran; afterwards every key exists
         if inputs.row_updates is not None:
-            writer = self._row_writers[len(inputs.row_updates.slots)]
+            writer = self._row_writers[len(inputs.row_updates.req_indices)]
             self.batch_state = writer(self.batch_state, inputs.row_updates)
         output, self.kv_cache, self.batch_state = self._executables[kind, bucket](
             self.params, self.kv_cache, self.batch_state, step_inputs.pack(inputs))

@@ -82,23 +82,23 @@ class PagePool:
         self.num_hit_tokens += len(pages) * self.page_size
         return pages
 
-    def cache_full_pages(self, block_table: list[int], hashes: list[PageHash]) -> None:
+    def cache_full_pages(self, page_table: list[int], hashes: list[PageHash]) -> None:
         """Registers the request's full pages (one hash each) so later requests can share them."""
         if not self.enable_prefix_caching:
             return
-        for page, page_hash in zip(block_table, hashes):
+        for page, page_hash in zip(page_table, hashes):
             if self.page_hashes[page] is None and page_hash not in self._cached:
                 self.page_hashes[page] = page_hash
                 self._cached[page_hash] = page
 
     # -- allocation ---------------------------------------------------------------------------------
 
-    def pages_needed(self, block_table: list[int], num_tokens: int) -> int:
-        return max(0, -(-num_tokens // self.page_size) - len(block_table))
+    def pages_needed(self, page_table: list[int], num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.page_size) - len(page_table))
 
-    def grow(self, block_table: list[int], num_tokens: int) -> bool:
-        """Appends pages so `block_table` covers `num_tokens`; False (and no change) if too few are free."""
-        needed = self.pages_needed(block_table, num_tokens)
+    def grow(self, page_table: list[int], num_tokens: int) -> bool:
+        """Appends pages so `page_table` covers `num_tokens`; False (and no change) if too few are free."""
+        needed = self.pages_needed(page_table, num_tokens)
         if needed > len(self._free):
             return False
         for _ in range(needed):
@@ -107,28 +107,28 @@ class PagePool:
                 del self._cached[self.page_hashes[page]]
                 self.page_hashes[page] = None
             self.ref_counts[page] = 1
-            block_table.append(page)
+            page_table.append(page)
         return True
 
-    def shrink(self, block_table: list[int], num_tokens: int) -> bool:
+    def shrink(self, page_table: list[int], num_tokens: int) -> bool:
         """Frees the pages past those that hold `num_tokens` (speculative drafts that were rejected);
         whether there were any."""
         keep = -(-num_tokens // self.page_size)
-        if len(block_table) <= keep:
+        if len(page_table) <= keep:
             return False
-        tail = block_table[keep:]
-        del block_table[keep:]
+        tail = page_table[keep:]
+        del page_table[keep:]
         self.free(tail)
         return True
 
-    def free(self, block_table: list[int]) -> None:
+    def free(self, page_table: list[int]) -> None:
         """Drops the request's references, tail first; unreferenced pages stay cached until evicted."""
-        for page in reversed(block_table):
+        for page in reversed(page_table):
             self.ref_counts[page] -= 1
             assert self.ref_counts[page] >= 0, page
             if self.ref_counts[page] == 0:
                 self._free[page] = None
-        block_table.clear()
+        page_table.clear()
 
     def reset_prefix_cache(self) -> None:
         for page_hash, page in self._cached.items():

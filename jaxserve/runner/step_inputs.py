@@ -2,11 +2,11 @@
 
 The scheduler hands over one `ScheduledSeq` per sequence; `StepInputBuilder.build` lays them out
 the way the compiled step reads them (the ragged attention contract of `attention.py`: new tokens
-flattened on one token axis, `cu_q_lens`, `kv_lens`, the slot of each token), everything padded to
-the bucket: padding tokens write into the dummy page 0, padding sequences have no tokens. Each row's
-block table and sampling settings live on the device in the row's slot of the persistent batch
-(`device_batch.py`): the step names each row's slot, and carries `RowUpdates` only for the rows whose
-state changed (`ScheduledSeq.write_row`). `model_runner.py` then hands the arrays to the executable;
+flattened on one token axis, `cu_q_lens`, `kv_lens`, the KV slot of each token), everything padded to
+the bucket: padding tokens write into the dummy page 0, padding sequences have no tokens. Each
+sequence's page table and sampling settings live on the device in its row of the persistent batch
+(`device_batch.py`): the step names each sequence's row (its `req_index`), and carries `RowUpdates`
+only for the rows whose state changed (`ScheduledSeq.write_row`). `model_runner.py` then hands the arrays to the executable;
 nothing here touches a device.
 """
 
@@ -35,7 +35,7 @@ class ScheduledSeq:
 
     token_ids: list[int]  # the new tokens of this step
     num_computed_tokens: int  # tokens already in the KV pages
-    block_table: list[int]  # page ids, covering num_computed_tokens + len(token_ids)
+    page_table: list[int]  # page ids, covering num_computed_tokens + len(token_ids)
     params: SamplingParams
     seed: int
     prompt_len: int = 0
@@ -45,10 +45,10 @@ class ScheduledSeq:
     # previous step sampled, which the host has not read yet (the step takes it on the device)
     prev_row: int | None = None
     samples: bool = True  # its sampled token is real (not a prompt chunk short of the prompt's end)
-    # Its slot in the device batch, and what of its row to write there first (its settings and block
-    # table; its history too, when it takes the slot: `history`, if penalties are on, or nothing).
-    # slot None: the row's index, everything written.
-    slot: int | None = None
+    # Its row in the device batch, and what of that row to write first (its settings and page table;
+    # its history too, when it takes the row: `history`, if penalties are on, or nothing).
+    # req_index None: its index in the step, everything written.
+    req_index: int | None = None
     write_row: bool = True
     write_history: bool = True
 
@@ -62,7 +62,7 @@ class StepInputs(NamedTuple):
     logits_indices: np.ndarray  # [S] int32, each sequence's last row
     sampling: SamplingTensors | None  # [S] rows: None on the host, gathered on the device likewise
     prev_rows: np.ndarray  # [T] int32: r >= 0 = this token is the one row r of the previous step sampled
-    row_slots: np.ndarray | None = None  # [S] int32: each row's slot in the device batch
+    req_indices: np.ndarray | None = None  # [S] int32: each sequence's row in the device batch
     samples: np.ndarray | None = None  # [S] bool: the row's sampled token is real
     row_updates: RowUpdates | None = None  # written before the step (not an input of its executable)
 
@@ -70,25 +70,25 @@ class StepInputs(NamedTuple):
 def pack(inputs: StepInputs) -> tuple[np.ndarray, np.ndarray]:
     """A step's nine small host arrays as the two its executable takes: per token [4, T] (token_ids,
     positions, slot_mapping, prev_rows) and per sequence [5, S + 1] (cu_q_lens, then kv_lens,
-    logits_indices, row_slots, samples, each padded by one). On a GPU every host array an executable
+    logits_indices, req_indices, samples, each padded by one). On a GPU every host array an executable
     takes is its own host-to-device copy; the H100's numpy inputs cost about 3 ms a step (11.6 against
     8.7 ms per replay with the inputs already on the device)."""
     md, num_seqs = inputs.md, len(inputs.md.kv_lens)
     tokens = np.stack([inputs.token_ids, inputs.positions, md.slot_mapping, inputs.prev_rows]).astype(np.int32)
     seqs = np.zeros((5, num_seqs + 1), np.int32)
     seqs[0] = md.cu_q_lens
-    for row, values in enumerate((md.kv_lens, inputs.logits_indices, inputs.row_slots, inputs.samples), 1):
+    for row, values in enumerate((md.kv_lens, inputs.logits_indices, inputs.req_indices, inputs.samples), 1):
         seqs[row, :num_seqs] = values
     return tokens, seqs
 
 
 def unpack(tokens: jax.Array, seqs: jax.Array) -> StepInputs:
-    """`pack`'s inverse, inside the step (sampling and block tables come from the device batch)."""
+    """`pack`'s inverse, inside the step (sampling and page tables come from the device batch)."""
     num_seqs = seqs.shape[1] - 1
     return StepInputs(token_ids=tokens[0], positions=tokens[1],
                       md=AttentionMetadata(tokens[2], seqs[0], seqs[1, :num_seqs], None),
                       logits_indices=seqs[2, :num_seqs], sampling=None, prev_rows=tokens[3],
-                      row_slots=seqs[3, :num_seqs], samples=seqs[4, :num_seqs] != 0)
+                      req_indices=seqs[3, :num_seqs], samples=seqs[4, :num_seqs] != 0)
 
 
 def packed_shapes(num_tokens: int, num_seqs: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
@@ -106,8 +106,8 @@ class StepInputBuilder:
         return -(-self.model_cfg.vocab_size // 32)
 
     @property
-    def num_slots(self) -> int:
-        """Slots of the device batch: one per sequence a step can hold, and the padding rows' last."""
+    def num_rows(self) -> int:
+        """Rows of the device batch: one per sequence a step can hold, and the padding rows' last."""
         return self.cfg.max_num_seqs + 1
 
     @property
@@ -116,9 +116,9 @@ class StepInputBuilder:
         return [1 << i for i in range((self.cfg.max_num_seqs - 1).bit_length() + 1)]
 
     def initial_state(self) -> tuple[np.ndarray, SamplingTensors, np.ndarray]:
-        """The device batch's host arrays (`device_batch.BatchState`): every slot inert."""
-        return (np.full((self.num_slots, self.cfg.pages_per_seq), DUMMY_PAGE, np.int32),
-                self.empty_sampling(self.num_slots), np.zeros(self.cfg.max_num_seqs, np.int32))
+        """The device batch's host arrays (`device_batch.BatchState`): every row inert."""
+        return (np.full((self.num_rows, self.cfg.pages_per_seq), DUMMY_PAGE, np.int32),
+                self.empty_sampling(self.num_rows), np.zeros(self.cfg.max_num_seqs, np.int32))
 
     def shapes(self, num_tokens: int, num_seqs: int) -> StepInputs:
         """ShapeDtypeStructs of a bucket's inputs, for compiling it."""
@@ -130,18 +130,18 @@ class StepInputBuilder:
             logits_indices=i32(num_seqs),
             sampling=None,
             prev_rows=i32(num_tokens),
-            row_slots=i32(num_seqs),
+            req_indices=i32(num_seqs),
             samples=jax.ShapeDtypeStruct((num_seqs,), jnp.bool_),
         )
 
-    def update_shapes(self, num_rows: int) -> RowUpdates:
-        """ShapeDtypeStructs of `num_rows` row updates, for compiling their writer."""
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self._empty_updates(num_rows))
+    def update_shapes(self, num_updates: int) -> RowUpdates:
+        """ShapeDtypeStructs of `num_updates` row updates, for compiling their writer."""
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self._empty_updates(num_updates))
 
-    def _empty_updates(self, num_rows: int) -> RowUpdates:
-        return RowUpdates(np.full(num_rows, self.num_slots, np.int32),  # out of range: dropped
-                          np.full((num_rows, self.cfg.pages_per_seq), DUMMY_PAGE, np.int32),
-                          self.empty_sampling(num_rows), np.full(num_rows, -1, np.int32))
+    def _empty_updates(self, num_updates: int) -> RowUpdates:
+        return RowUpdates(np.full(num_updates, self.num_rows, np.int32),  # out of range: dropped
+                          np.full((num_updates, self.cfg.pages_per_seq), DUMMY_PAGE, np.int32),
+                          self.empty_sampling(num_updates), np.full(num_updates, -1, np.int32))
 
     def empty_sampling(self, num_seqs: int) -> SamplingTensors:
         """Host arrays for `num_seqs` inert rows (greedy, everything off)."""
@@ -161,17 +161,17 @@ class StepInputBuilder:
               on_row_error: Callable[[int, Exception], None] | None = None) -> StepInputs:
         """The inputs of `seqs`, padded to num_tokens tokens and num_seqs sequences, with the updates of
         the rows that changed. on_row_error: a sequence whose row cannot be built runs in the inert
-        padding slot and is reported, instead of raising."""
-        page_size = self.cfg.block_size
+        padding row and is reported, instead of raising."""
+        page_size = self.cfg.page_size
         token_ids = np.zeros(num_tokens, np.int32)
         positions = np.zeros(num_tokens, np.int32)
         slot_mapping = np.arange(num_tokens, dtype=np.int32) % page_size + DUMMY_PAGE * page_size
         cu_q_lens = np.zeros(num_seqs + 1, np.int32)
         kv_lens = np.zeros(num_seqs, np.int32)
         prev_rows = np.full(num_tokens, -1, np.int32)
-        row_slots = np.full(num_seqs, self.num_slots - 1, np.int32)
+        req_indices = np.full(num_seqs, self.num_rows - 1, np.int32)
         samples = np.zeros(num_seqs, np.bool_)
-        writes = [i for i, s in enumerate(seqs) if s.write_row or s.slot is None]
+        writes = [i for i, s in enumerate(seqs) if s.write_row or s.req_index is None]
         updates = self._empty_updates(next(b for b in self.update_buckets if b >= len(writes))) if writes else None
         row = 0
         for i, s in enumerate(seqs):
@@ -179,41 +179,42 @@ class StepInputBuilder:
             if n == 1:  # a decode row: plain ints (numpy's per-call cost is most of a row's time)
                 pos = s.num_computed_tokens
                 token_ids[row], positions[row] = s.token_ids[0], pos
-                slot_mapping[row] = s.block_table[pos // page_size] * page_size + pos % page_size
+                slot_mapping[row] = s.page_table[pos // page_size] * page_size + pos % page_size
             else:
                 pos = np.arange(s.num_computed_tokens, s.num_computed_tokens + n, dtype=np.int32)
                 token_ids[row:row + n] = s.token_ids
                 positions[row:row + n] = pos
-                pages = np.asarray(s.block_table, np.int32)[pos // page_size]
+                pages = np.asarray(s.page_table, np.int32)[pos // page_size]
                 slot_mapping[row:row + n] = pages * page_size + pos % page_size
             kv_lens[i] = s.num_computed_tokens + n
             samples[i] = s.samples
             if s.prev_row is not None:
                 prev_rows[row + n - 1] = s.prev_row
-            row_slots[i] = i if s.slot is None else s.slot
+            req_indices[i] = i if s.req_index is None else s.req_index
             row += n
             cu_q_lens[i + 1] = row
         for u, i in enumerate(writes):
             try:
-                self.fill_update(updates, u, seqs[i], int(row_slots[i]))
+                self.fill_update(updates, u, seqs[i], int(req_indices[i]))
             except Exception as e:  # noqa: BLE001 - handed to the caller, or re-raised
                 if on_row_error is None:
                     raise
                 for field, inert in zip(jax.tree.leaves(updates), jax.tree.leaves(self._empty_updates(1))):
                     field[u] = inert[0]
-                row_slots[i] = self.num_slots - 1
+                req_indices[i] = self.num_rows - 1
                 on_row_error(i, e)
         cu_q_lens[len(seqs) + 1:] = row
         logits_indices = np.maximum(cu_q_lens[1:] - 1, 0)
         md = AttentionMetadata(slot_mapping, cu_q_lens, kv_lens, None)
-        return StepInputs(token_ids, positions, md, logits_indices, None, prev_rows, row_slots, samples, updates)
+        return StepInputs(token_ids, positions, md, logits_indices, None, prev_rows, req_indices, samples, updates)
 
-    def fill_update(self, updates: RowUpdates, u: int, s: ScheduledSeq, slot: int) -> None:
-        """Update row u: sequence s's settings and block table, for `slot` (its history if it takes the slot)."""
-        updates.slots[u] = slot
-        updates.block_tables[u, :len(s.block_table)] = s.block_table
+    def fill_update(self, updates: RowUpdates, u: int, s: ScheduledSeq, req_index: int) -> None:
+        """Update u: sequence s's settings and page table, for the row `req_index` (its history if it takes
+        the row)."""
+        updates.req_indices[u] = req_index
+        updates.block_tables[u, :len(s.page_table)] = s.page_table
         self.fill_sampling_row(updates.sampling, u, s)
-        if s.write_history or s.slot is None:
+        if s.write_history or s.req_index is None:
             updates.history_lens[u] = 0 if s.history is None else len(s.history)
 
     def fill_sampling_row(self, t: SamplingTensors, i: int, s: ScheduledSeq) -> None:

@@ -1,7 +1,7 @@
 """Speculative decoding's "draft_model" method: a smaller model with the target's vocabulary proposes.
 
 The draft model runs in its own `ModelRunner` (one device, its own compiled buckets) over its own
-`PagePool`. Per running request it keeps a block table and the token ids whose K/V those pages hold
+`PagePool`. Per running request it keeps a page table and the token ids whose K/V those pages hold
 (`_DraftSeq`). At each `propose` the draft first catches up: the tokens the target appended since
 the last proposal (its accepted drafts, the token after them) overwrite whatever the draft held past
 their common prefix, since a rejected draft's K/V is stale. One step feeds every request's catch-up
@@ -44,7 +44,7 @@ class _DraftSeq:
     """One request's share of the draft model, for one admission of it."""
 
     num_admissions: int
-    block_table: list[int] = dataclasses.field(default_factory=list)
+    page_table: list[int] = dataclasses.field(default_factory=list)
     token_ids: list[int] = dataclasses.field(default_factory=list)  # those whose K/V the pages hold
     # Tokens of the request when last proposed for: the target keeps them, so the draft's K/V of them stays valid
     num_known_tokens: int = 0
@@ -63,7 +63,7 @@ def draft_engine_config(spec: SpeculativeConfig, engine_cfg: EngineConfig, model
         target_pages = device_defaults.num_pool_pages(engine_cfg, model_cfg)
     num_pages = min(engine_cfg.max_num_seqs * pages_per_seq, target_pages)
     if max_pool_bytes is not None:
-        page_bytes = draft_cfg.kv_bytes_per_token(device_defaults.resolve_kv_cache_dtype(engine_cfg)) * engine_cfg.block_size
+        page_bytes = draft_cfg.kv_bytes_per_token(device_defaults.resolve_kv_cache_dtype(engine_cfg)) * engine_cfg.page_size
         num_pages = min(num_pages, max_pool_bytes // page_bytes)
     max_num_seqs = min(engine_cfg.max_num_seqs, spec.batch_limit)
     return dataclasses.replace(
@@ -103,11 +103,11 @@ class DraftModelProposer:
         max_pool_bytes = None if free is None else max(0, free - weight_bytes) // 2
         self.runner = ModelRunner(cfg, draft_engine_config(spec, engine_cfg, model_cfg, cfg, max_pool_bytes),
                                   draft.params)
-        self.pool = PagePool(self.runner.num_pages, self.runner.cfg.block_size, enable_prefix_caching=False)
+        self.pool = PagePool(self.runner.num_pages, self.runner.cfg.page_size, enable_prefix_caching=False)
         self.max_num_seqs = self.runner.cfg.max_num_seqs
         self.seqs: dict[ProposalRequest, _DraftSeq] = {}
         logger.debug("draft model %s: %d layers, hidden %d; its KV cache %d pages of %d tokens", draft.source,
-                    cfg.num_layers, cfg.hidden_size, self.runner.num_pages - 1, self.runner.cfg.block_size)
+                    cfg.num_layers, cfg.hidden_size, self.runner.num_pages - 1, self.runner.cfg.page_size)
 
     def warmup(self, show_progress: bool = True) -> int:
         """Compiles the draft's buckets; the number of executables."""
@@ -128,7 +128,7 @@ class DraftModelProposer:
         """Frees the pages of requests no longer running, or running again since a preemption."""
         for request, seq in list(self.seqs.items()):
             if not request.is_running or request.num_admissions != seq.num_admissions:
-                self.pool.free(seq.block_table)
+                self.pool.free(seq.page_table)
                 del self.seqs[request]
 
     def _make_room(self, request: ProposalRequest, limit: int) -> bool:
@@ -145,13 +145,13 @@ class DraftModelProposer:
         while num_valid < min(len(seq.token_ids), len(tokens) - 1) and seq.token_ids[num_valid] == tokens[num_valid]:
             num_valid += 1
         del seq.token_ids[num_valid:]
-        self.pool.shrink(seq.block_table, num_valid)
-        return self.pool.grow(seq.block_table, len(tokens) + limit - 1)
+        self.pool.shrink(seq.page_table, num_valid)
+        return self.pool.grow(seq.page_table, len(tokens) + limit - 1)
 
     @staticmethod
     def _row(seq: _DraftSeq, token_ids: list[int], samples: bool = True) -> ScheduledSeq:
-        """One catch-up row: token_ids fed after the K/V the draft holds (slot None: the row written whole)."""
-        return ScheduledSeq(token_ids=token_ids, num_computed_tokens=len(seq.token_ids), block_table=seq.block_table,
+        """One catch-up row: token_ids fed after the K/V the draft holds (req_index None: the row written whole)."""
+        return ScheduledSeq(token_ids=token_ids, num_computed_tokens=len(seq.token_ids), page_table=seq.page_table,
                             params=_GREEDY, seed=0, samples=samples)
 
     def _propose_group(self, requests: list[ProposalRequest], limits: list[int]) -> list[list[int]]:
@@ -178,7 +178,7 @@ class DraftModelProposer:
             row_of = {i: row for row, i in enumerate(step_rows[-1])}
             step_rows.append([i for i, limit in enumerate(limits) if limit > j])
             outputs.append(self.runner.execute([
-                ScheduledSeq([_PLACEHOLDER], len(tokens[i]) + j - 1, seqs[i].block_table, _GREEDY, seed=0,
+                ScheduledSeq([_PLACEHOLDER], len(tokens[i]) + j - 1, seqs[i].page_table, _GREEDY, seed=0,
                              prev_row=row_of[i]) for i in step_rows[-1]]))
         sampled = [self.runner.fetch(out, len(rows), with_logprobs=False).token_ids  # [rows]
                    for out, rows in zip(outputs, step_rows)]

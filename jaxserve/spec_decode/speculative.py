@@ -1,17 +1,17 @@
 """Speculative decoding: proposers of draft tokens, and what verification accepted.
 
 A speculating sequence's step carries its newest token and k draft tokens. Each of the k + 1 runs as a
-decode row of its own (one query row, its position's KV length, the sequence's block table and sampling
-row shared through its device-batch slot): the step writes every row's K/V before any row attends, so
-row j sees the K/V of rows 0..j-1, and the sampler draws at each row the token the target model would
-draw at that position, with the same seeded uniform (`sampling.py` keys it by the position). Every
-draft here is one token, not a distribution (q one-hot), so rejection sampling's test, "accept d with
-probability min(1, p(d) / q(d)) = p(d), else draw from p without d, normalized", is the same as
-drawing x ~ p and accepting d when x == d: the accepted run is the longest prefix of drafts equal to
-the target's draws, followed by the first draw that differs (or the bonus draw after the last draft).
-So greedy outputs equal the target's argmax run, random outputs follow the target's distribution, and
-a seeded request draws the same tokens with speculation on or off (up to the rounding of a batched
-pass).
+decode row of its own (one query row, its position's KV length, the sequence's page table and sampling
+row shared through its row of the device batch, its req_index): the step writes every row's K/V before
+any row attends, so row j sees the K/V of rows 0..j-1, and the sampler draws at each row the token the
+target model would draw at that position, with the same seeded uniform (`sampling.py` keys it by the
+position). Every draft here is one token, not a distribution (q one-hot), so rejection sampling's test,
+"accept d with probability min(1, p(d) / q(d)) = p(d), else draw from p without d, normalized", is the
+same as drawing x ~ p and accepting d when x == d: the accepted run is the longest prefix of drafts
+equal to the target's draws, followed by the first draw that differs (or the bonus draw after the last
+draft). So greedy outputs equal the target's argmax run, random outputs follow the target's
+distribution, and a seeded request draws the same tokens with speculation on or off (up to the rounding
+of a batched pass).
 
 Proposers: `NgramProposer` (prompt lookup: the tokens that followed the latest earlier occurrence of
 the sequence's last n tokens) and `jaxserve.spec_decode.draft_model.DraftModelProposer` (a smaller model with the
