@@ -23,6 +23,7 @@ from typing import Callable
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.runner.page_pool import PagePool
 from jaxserve.core.request import Request, RequestStatus
+from jaxserve.ops.sampling import SamplerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -263,7 +264,8 @@ class Scheduler:
                 request.pending_row = row
             output.samples.append(samples)
 
-    def update_from_output(self, output: SchedulerOutput, sampled, rows: list[list[int]] | None = None,
+    def update_from_output(self, output: SchedulerOutput, sampled: SamplerOutput | list[int],
+                           rows: list[list[int]] | None = None,
                            on_token: Callable[[Request], None] | None = None) -> list[Request]:
         """Appends each sampled token of an advanced step to its request, then checks stops.
 
