@@ -210,7 +210,7 @@ def test_an_unexpected_exception_is_a_500_in_the_openai_shape_without_internals(
         def source(self):
             raise RuntimeError("secret internal detail")
 
-    monkeypatch.setattr(app.state.jaxserve.core.engine, "model", Exploding())
+    monkeypatch.setattr(app.state.jaxserve.engine, "model", Exploding())
     response = client.get("/v1/models")
     error = _error(response, 500, None)
     assert error["message"] == INTERNAL_ERROR and "secret" not in response.text
@@ -273,7 +273,7 @@ def test_a_json_body_that_does_not_say_it_is_json_is_refused_unparsed(app, clien
         submitted.append(args)
         raise RuntimeError("the test's engine takes nothing")  # a 503, so a body that got here fails the test
 
-    monkeypatch.setattr(app.state.jaxserve.core.engine_loop, "submit", submit)
+    monkeypatch.setattr(app.state.jaxserve.engine_loop, "submit", submit)
     body = json.dumps(_completion()).encode()
     response = client.post("/v1/completions", content=body, headers=headers)
     assert 400 <= response.status_code < 500, (response.status_code, response.text)
