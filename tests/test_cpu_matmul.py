@@ -19,7 +19,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.ops import cpu_ffi
 from jaxserve.ops.attention_backends import matmul_hint, paired_attention_backend, resolve_matmul_backend
 from jaxserve.config.engine_config import EngineConfig
-from jaxserve.ops.cpu_ffi import PANEL_WIDTH, PackedWeight, matmul
+from jaxserve.ops.packed_matmul import PANEL_WIDTH, PackedWeight, matmul, silu_gated_matmul
 
 needs_kernels = pytest.mark.skipif(cpu_ffi.kernel_error() is not None,
                                    reason=f"the CPU kernels are unavailable: {cpu_ffi.kernel_error()}")
@@ -63,10 +63,10 @@ def test_silu_gated_matmul_matches_numpy(m, k, inter):
     x[0, 0] = 100.0 / max(abs(w[0, 0]), 0.1)  # gate 0 of row 0 far out, at 100 and beyond or below -100
     gate, up = np.split(x.astype(np.float64) @ w.astype(np.float64), 2, axis=-1)
     expected = gate * np.exp(-np.logaddexp(0.0, -gate)) * up  # silu, without overflow
-    out = np.asarray(jax.jit(cpu_ffi.silu_gated_matmul)(jnp.asarray(x), jax.device_put(PackedWeight.pack(w))))
+    out = np.asarray(jax.jit(silu_gated_matmul)(jnp.asarray(x), jax.device_put(PackedWeight.pack(w))))
     assert out.shape == (m, inter)
     np.testing.assert_allclose(out, expected, atol=2e-5 * k, rtol=2e-5)
-    unpacked = np.asarray(jax.jit(cpu_ffi.silu_gated_matmul)(jnp.asarray(x), jnp.asarray(w)))  # XLA's path
+    unpacked = np.asarray(jax.jit(silu_gated_matmul)(jnp.asarray(x), jnp.asarray(w)))  # XLA's path
     np.testing.assert_allclose(unpacked, expected, atol=2e-5 * k, rtol=2e-5)
 
 
@@ -86,7 +86,7 @@ def test_only_the_real_rows_are_multiplied_and_the_padding_rows_are_zeros(rows):
     gate, up = np.split(x.astype(np.float64) @ w.astype(np.float64), 2, axis=-1)
     gated_expected = gate / (1.0 + np.exp(-gate)) * up
     gated_expected[kept:] = 0.0
-    gated = np.asarray(jax.jit(cpu_ffi.silu_gated_matmul)(jnp.asarray(x), jax.device_put(PackedWeight.pack(w)),
+    gated = np.asarray(jax.jit(silu_gated_matmul)(jnp.asarray(x), jax.device_put(PackedWeight.pack(w)),
                                                           jnp.int32(rows)))
     np.testing.assert_allclose(gated, gated_expected, atol=1e-4, rtol=1e-5)
 
@@ -96,7 +96,7 @@ def test_silu_gated_matmul_keeps_xla_for_halves_that_are_not_whole_panels():
     x = np.random.default_rng(1).standard_normal((3, 8), np.float32)
     w = np.random.default_rng(2).standard_normal((8, 2 * 40), np.float32)
     gate, up = np.split(x @ w, 2, axis=-1)
-    out = np.asarray(jax.jit(cpu_ffi.silu_gated_matmul)(jnp.asarray(x), jax.device_put(PackedWeight.pack(w))))
+    out = np.asarray(jax.jit(silu_gated_matmul)(jnp.asarray(x), jax.device_put(PackedWeight.pack(w))))
     np.testing.assert_allclose(out, gate / (1.0 + np.exp(-gate)) * up, atol=1e-4, rtol=1e-5)
 
 
@@ -156,7 +156,7 @@ def test_bfloat16_gated_matmul_and_row_cut(rows):
     expected = gate / (1.0 + np.exp(-gate)) * up
     expected[rows:] = 0.0
     packed = jax.device_put(PackedWeight.pack(w, dtype=jnp.bfloat16))
-    out = np.asarray(jax.jit(cpu_ffi.silu_gated_matmul)(jnp.asarray(x), packed, jnp.int32(rows)))
+    out = np.asarray(jax.jit(silu_gated_matmul)(jnp.asarray(x), packed, jnp.int32(rows)))
     np.testing.assert_allclose(out, expected, atol=1e-4, rtol=1e-4)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.ops.cpu_ffi import PackedWeight
+from jaxserve.ops.packed_matmul import PackedWeight
 from jaxserve.models.transformer import MATRICES
 from jaxserve.weights import default_model_path
 

@@ -52,13 +52,13 @@ def measure_matmul_flops(size: int = 2048, repeats: int = 10, dtype=jnp.float32)
 def measure_packed_matmul_flops(size: int = 2048, repeats: int = 10) -> float | None:
     """The same measurement through jaxserve's own CPU matmul (`cpu_ffi`), where it builds: the
     ceiling must not be lower than a matmul the engine itself runs."""
-    from jaxserve.ops import cpu_ffi
+    from jaxserve.ops import cpu_ffi, packed_matmul
 
     if jax.default_backend() != "cpu" or cpu_ffi.kernel_error():
         return None
     a = jnp.ones((size, size), jnp.float32)
-    w = jax.device_put(cpu_ffi.PackedWeight.pack(jnp.ones((size, size), jnp.float32)))
-    matmul = jax.jit(cpu_ffi.matmul)
+    w = jax.device_put(packed_matmul.PackedWeight.pack(jnp.ones((size, size), jnp.float32)))
+    matmul = jax.jit(packed_matmul.matmul)
     return 2 * size**3 / _best_seconds(lambda: matmul(a, w).block_until_ready(), repeats)
 
 

@@ -22,7 +22,9 @@ import numpy as np
 from jaxserve.ops.attention import AttentionMetadata
 from jaxserve.ops.attention_backends import paged_attention, write_kv
 from jaxserve.config.model_config import ModelConfig
-from jaxserve.ops.cpu_ffi import PackedWeight, matmul, silu_gated_matmul
+from jaxserve.ops.linear import matmul, silu_gated_matmul
+from jaxserve.ops.packed_matmul import PackedWeight
+from jaxserve.ops.quantized import QuantizedWeight
 
 KVCache = tuple[jax.Array, jax.Array]  # (k_pages, v_pages), see attention.py for the layout
 
@@ -64,23 +66,29 @@ def apply_rope(x, cos, sin):
 def _fuse(parts: list, num_shards: int, xp):
     """Concatenates parts [..., n_i] on their last axis, shard by shard: [p0_0 | p1_0 | p2_0 | p0_1 | ...],
     so that cutting the result into num_shards equal blocks gives each shard its own slice of each part."""
+    if isinstance(parts[0], QuantizedWeight):  # a quantized checkpoint's matrices, each column with its scale
+        return QuantizedWeight.concatenate(parts, num_shards)
     split = [p.reshape(*p.shape[:-1], num_shards, p.shape[-1] // num_shards) for p in parts]
     fused = xp.concatenate(split, axis=-1)
     return fused.reshape(*fused.shape[:-2], -1)
 
 
 def serving_params(cfg: ModelConfig, params, packed: bool = False, num_shards: int = 1,
-                   packed_dtype: str = "float32") -> dict:
+                   packed_dtype: str = "float32", quantization: str | None = None) -> dict:
     """The loaded (stacked) params -> forward's layout: a list of per-layer dicts with
     w_qkv [hidden, (H + 2 KVH) D] (and b_qkv) and w_gate_up [hidden, 2 inter].
 
     packed: the weight matrices become `PackedWeight`s for the C++ CPU matmul, the LM head included;
     a tied LM head is then the only copy of the embeddings (forward looks tokens up in it). packed_dtype:
-    the packed matrices' dtype, float32 or bfloat16 (rounded; the rest of the params stay as they are).
+    the packed matrices' dtype, float32, bfloat16 (rounded) or int8 (per-column scales); the rest of the
+    params stay as they are. quantization ("int8", "fp8"; unpacked only): the matrices, the LM head
+    included, become `QuantizedWeight`s for XLA's 8-bit dot (a tied model keeps its float embeddings for
+    the lookup).
     num_shards: the fused matrices (and packed column-split ones) are laid out shard by shard for a
     split over that many devices by output columns (tensor_parallel.py); 1 is the plain layout."""
     stacked = params["layers"]
     xp = np if isinstance(stacked["attn_norm"], np.ndarray) else jnp  # host arrays stay on the host
+    assert not (packed and quantization), "the C++ matmul's int8 is packed_dtype int8"
     out = {k: v for k, v in params.items() if k != "layers"}
     fused = {"w_qkv": ("wq", "wk", "wv"), "b_qkv": ("bq", "bk", "bv"), "w_gate_up": ("w_gate", "w_up")}
     parts = {name for names in fused.values() for name in names}
@@ -98,7 +106,20 @@ def serving_params(cfg: ModelConfig, params, packed: bool = False, num_shards: i
                 lp[name] = PackedWeight.pack(lp[name], num_shards if name in COLUMN_SPLIT else 1, packed_dtype)
         lm_head = out.pop("embed").T if cfg.tie_word_embeddings else out["lm_head"]
         out["lm_head"] = PackedWeight.pack(lm_head, num_shards, packed_dtype)
+    elif quantization:
+        for lp in layers:
+            for name in MATRICES:
+                lp[name] = _quantized(lp[name], quantization)
+        out["lm_head"] = _quantized(out["embed"].T if cfg.tie_word_embeddings else out["lm_head"], quantization)
     return out
+
+
+def _quantized(w, kind: str) -> QuantizedWeight:
+    """w as a QuantizedWeight of `kind` (a quantized checkpoint's own weights stay as they are)."""
+    if isinstance(w, QuantizedWeight):
+        assert w.kind == kind, f"the checkpoint's {w.kind} weights served as {kind}"
+        return w
+    return QuantizedWeight.quantize(w, kind)
 
 
 MATRICES = ("w_qkv", "wo", "w_gate_up", "w_down")  # a layer's weight matrices, in serving_params' layout
@@ -204,7 +225,7 @@ def forward(
         )
 
     h = rms_norm(h[logits_indices], params["final_norm"], cfg.rms_norm_eps)
-    if isinstance(params.get("lm_head"), PackedWeight):
+    if isinstance(params.get("lm_head"), (PackedWeight, QuantizedWeight)):
         logits = matmul(h, params["lm_head"])
     else:
         lm_head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]

@@ -115,7 +115,7 @@ def resolve_attention_backend(requested: str, model_cfg: ModelConfig, engine_cfg
 
 
 def resolve_matmul_backend(requested: str, engine_cfg: EngineConfig, platform: str | None = None) -> str:
-    """"cpu" or "cpu-bf16" (the weights packed for `cpu_ffi.matmul`, in float32 or bfloat16) or "xla", for
+    """"cpu" or "cpu-bf16" (the weights packed for `packed_matmul.matmul`, in float32 or bfloat16) or "xla", for
     `platform` (None: this machine). Raises ValueError when an explicit "cpu" or "cpu-bf16" cannot run."""
     assert requested in MATMUL_BACKENDS, requested
     if requested == "xla":

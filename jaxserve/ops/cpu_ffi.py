@@ -5,14 +5,9 @@
   that is most of a large decode step, and its loops over query tiles and key tiles, repeated in
   every layer, made the prompt-step executables slow to compile. The kernel takes every query row of
   a step (decode rows and prompt-chunk rows alike) and reads keys and values in place from the pages.
-- `matmul` with a `PackedWeight` (`cpu_kernels/packed_matmul.cc`). XLA:CPU's dot runs the few-row
-  matmuls of decode steps far below its large-matmul rate; with the weights packed in column panels
-  the kernel keeps a few rows' accumulators in registers and streams each panel once, which is
-  faster there and no slower on prompt-sized matmuls (benchmarks/results/cpu_kernels_history.md).
-  `silu_gated_matmul` computes a gated MLP's silu(x @ w_gate) * (x @ w_up) in the same kernel from
-  the packed [w_gate | w_up], and writes only the product. Packed in bfloat16 (`matmul_backend
-  "cpu-bf16"`), the weights are multiplied with x rounded to bfloat16 and summed in float32: on a CPU
-  with AVX512-BF16 (vdpbf16ps) twice float32's multiply rate, and half the weight bytes everywhere.
+- the packed-weight matmul (`cpu_kernels/packed_matmul.cc`): the weights packed in column panels at
+  load, in float32, bfloat16 or int8; its Python side (`PackedWeight`, `matmul`, `silu_gated_matmul`)
+  is `packed_matmul.py`.
 
 Both spread their work over XLA's own intra-op threads. They need a C++ compiler (`c++`, or $CXX)
 once: the library is cached under ~/.cache/jaxserve/kernels (JAXSERVE_KERNEL_CACHE moves it), keyed
@@ -38,7 +33,6 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import dataclasses
 import functools
 import hashlib
 import json
@@ -72,6 +66,8 @@ TARGETS = {  # FFI target -> handler symbol
     "jaxserve_packed_gated_matmul": "JaxservePackedGatedMatmul",
     "jaxserve_packed_matmul_bf16": "JaxservePackedMatmulBf16",
     "jaxserve_packed_gated_matmul_bf16": "JaxservePackedGatedMatmulBf16",
+    "jaxserve_packed_matmul_int8": "JaxservePackedMatmulInt8",
+    "jaxserve_packed_gated_matmul_int8": "JaxservePackedGatedMatmulInt8",
 }
 PANEL_WIDTH = 48  # columns per packed panel: kPanelWidth in packed_matmul.cc, which checks it
 _registered = False  # XLA keeps the first handler registered under a target for the process
@@ -296,79 +292,3 @@ def write_bf16_pages(k_pages, v_pages, layer, k, v, slot_mapping):
                             input_output_aliases={0: 0, 1: 1})
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     return call(k_pages, v_pages, k.astype(jnp.float32), v.astype(jnp.float32), i32(layer), i32(slot_mapping))
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["data"], meta_fields=["n"])
-@dataclasses.dataclass(frozen=True)
-class PackedWeight:
-    """A weight w [K, n] for `matmul`, packed in column panels of PANEL_WIDTH columns, each one contiguous
-    run of K rows, zero-padded past n. float32: data [ceil(n / PANEL_WIDTH), K, PANEL_WIDTH]. bfloat16:
-    data [panels, K / 2, 2 PANEL_WIDTH], rows 2i and 2i + 1 interleaved column by column, so that each
-    32-bit lane holds the pair (w[2i, c], w[2i + 1, c]) the kernel multiplies at once."""
-
-    data: jax.Array
-    n: int
-
-    @classmethod
-    def pack(cls, w, num_shards: int = 1, dtype=np.float32) -> PackedWeight:
-        """From w [K, n]; a numpy w is packed on the host, a jax one (or shapes) by XLA. dtype: float32, or
-        bfloat16 (w rounded to it; K even).
-
-        num_shards: w's columns are cut into that many equal blocks, each packed on its own and the
-        panels concatenated, so that splitting `data` by panels gives each device its block's
-        PackedWeight (whose n, the one this returns, is a block's width)."""
-        xp = np if isinstance(w, np.ndarray) else jnp
-        k, n = w.shape[0], w.shape[1] // num_shards
-        panels = -(-n // PANEL_WIDTH)
-        blocks = w.reshape(k, num_shards, n).transpose(1, 0, 2)  # [shards, K, n]
-        padded = xp.pad(blocks, ((0, 0), (0, 0), (0, panels * PANEL_WIDTH - n)))
-        packed = padded.reshape(num_shards, k, panels, PANEL_WIDTH).transpose(0, 2, 1, 3)
-        packed = packed.reshape(num_shards * panels, k, PANEL_WIDTH)
-        if np.dtype(dtype) == jnp.bfloat16:
-            assert k % 2 == 0, f"bfloat16 packing pairs rows: K = {k} is odd"
-            pairs = packed.reshape(num_shards * panels, k // 2, 2, PANEL_WIDTH).transpose(0, 1, 3, 2)
-            packed = pairs.reshape(num_shards * panels, k // 2, 2 * PANEL_WIDTH).astype(jnp.bfloat16)
-        return cls(np.ascontiguousarray(packed) if xp is np else packed, n)
-
-    def columns(self, ids):
-        """w[:, ids].T, [len(ids), K] float32: an embedding lookup when w is a tied LM head (embed.T)."""
-        panels, rows, width = self.data.shape
-        if width == PANEL_WIDTH:
-            return self.data[ids // PANEL_WIDTH, :, ids % PANEL_WIDTH]
-        pairs = self.data.reshape(panels, rows, PANEL_WIDTH, 2)[ids // PANEL_WIDTH, :, ids % PANEL_WIDTH, :]
-        return pairs.reshape(-1, 2 * rows).astype(jnp.float32)  # [len(ids), K / 2, 2] -> [len(ids), K]
-
-
-def _rows_operand(x, rows):
-    return jnp.asarray(x.shape[0] if rows is None else rows, jnp.int32)
-
-
-def _packed_call(target: str, x, w: PackedWeight, columns: int, rows):
-    """The kernel `target` (its _bf16 twin for bfloat16 weights, x rounded to bfloat16) -> [M, columns]."""
-    assert x.dtype == jnp.float32, "the CPU matmul kernel takes float32 activations"
-    if w.data.dtype == jnp.bfloat16:
-        target, x = f"{target}_bf16", x.astype(jnp.bfloat16)
-    else:
-        assert w.data.dtype == jnp.float32, w.data.dtype
-    out = jax.ShapeDtypeStruct((x.shape[0], columns), jnp.float32)
-    return jax.ffi.ffi_call(target, out)(x, w.data, _rows_operand(x, rows))
-
-
-def matmul(x, w, rows=None):
-    """x [M, K] @ w: the packed kernel for a PackedWeight, XLA's dot for a plain array.
-
-    rows (a traced int32 or None: all): the kernel multiplies only x's first `rows` rows, the real
-    tokens of a padded step, and gives zeros below them; XLA's dot computes every row.
-    """
-    if not isinstance(w, PackedWeight):
-        return x @ w
-    return _packed_call("jaxserve_packed_matmul", x, w, w.n, rows)
-
-
-def silu_gated_matmul(x, w, rows=None):
-    """silu(x @ w_gate) * (x @ w_up) for w = [w_gate | w_up] [K, 2 I]: one kernel call for a PackedWeight
-    whose halves are whole panels (I a multiple of PANEL_WIDTH), else matmul and XLA. rows: as for matmul."""
-    if isinstance(w, PackedWeight) and w.n % (2 * PANEL_WIDTH) == 0:
-        return _packed_call("jaxserve_packed_gated_matmul", x, w, w.n // 2, rows)
-    gate, up = jnp.split(matmul(x, w, rows), 2, axis=-1)
-    return jax.nn.silu(gate) * up

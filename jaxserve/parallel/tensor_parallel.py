@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config.model_config import ModelConfig
-from jaxserve.ops.cpu_ffi import PackedWeight
+from jaxserve.ops.packed_matmul import PackedWeight
 from jaxserve.models.params import MODEL_AXIS, param_specs
 from jaxserve.models.transformer import forward, init_kv_cache
 from jaxserve.ops.sampling import SamplerOutput, SamplingTensors, argmax, choose, no_logprobs, sample

@@ -1,0 +1,127 @@
+"""The C++ packed-weight matmul (`cpu_kernels/packed_matmul.cc`, built and registered by `cpu_ffi`): the
+weights packed once at load (`PackedWeight`), and the calls the model makes (`matmul`, `silu_gated_matmul`).
+
+XLA:CPU's dot runs the few-row matmuls of decode steps far below its large-matmul rate; with the weights
+packed in column panels the kernel keeps a few rows' accumulators in registers and streams each panel
+once, which is faster there and no slower on prompt-sized matmuls (benchmarks/results/cpu_kernels_history.md).
+Three weight types: float32; bfloat16 (`matmul_backend "cpu-bf16"`: x rounded to bfloat16, float32 sums,
+vdpbf16ps on AVX512-BF16); int8 (`quantization "int8"`: per-column scales, x quantized per row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.ops.cpu_ffi import PANEL_WIDTH
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "scale", "sums"], meta_fields=["n"])
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """A weight w [K, n] for `matmul`, packed in column panels of PANEL_WIDTH columns, each one contiguous
+    run of K rows, zero-padded past n. float32: data [ceil(n / PANEL_WIDTH), K, PANEL_WIDTH]. bfloat16:
+    data [panels, K / 2, 2 PANEL_WIDTH], rows 2i and 2i + 1 interleaved column by column, so that each
+    32-bit lane holds the pair (w[2i, c], w[2i + 1, c]) the kernel multiplies at once. int8: data
+    [panels, K / 4, 4 PANEL_WIDTH], four rows to a lane the same way, w[k, c] ~= data * scale[c]."""
+
+    data: jax.Array
+    n: int
+    scale: jax.Array | None = None  # int8: [panels * PANEL_WIDTH] float32, each column's scale
+    sums: jax.Array | None = None  # int8: [k_shards, panels * PANEL_WIDTH] int32, each column's sum of data
+
+    @classmethod
+    def pack(cls, w, num_shards: int = 1, dtype=np.float32, k_shards: int = 1) -> PackedWeight:
+        """From w [K, n]; a numpy w is packed on the host, a jax one (or shapes) by XLA. dtype: float32,
+        bfloat16 (w rounded to it; K even) or int8 (each column's max |w| -> 127; K a multiple of 4).
+
+        num_shards: w's columns are cut into that many equal blocks, each packed on its own and the
+        panels concatenated, so that splitting `data` by panels gives each device its block's
+        PackedWeight (whose n, the one this returns, is a block's width). k_shards (int8): w's rows are
+        split into that many blocks over devices (tensor parallelism by rows), and each block's column
+        sums are kept apart."""
+        xp = np if isinstance(w, np.ndarray) else jnp
+        k, n = w.shape[0], w.shape[1] // num_shards
+        panels = -(-n // PANEL_WIDTH)
+        blocks = w.reshape(k, num_shards, n).transpose(1, 0, 2)  # [shards, K, n]
+        padded = xp.pad(blocks, ((0, 0), (0, 0), (0, panels * PANEL_WIDTH - n)))
+        packed = padded.reshape(num_shards, k, panels, PANEL_WIDTH).transpose(0, 2, 1, 3)
+        packed = packed.reshape(num_shards * panels, k, PANEL_WIDTH)
+        if np.dtype(dtype) == np.int8:
+            return cls._pack_int8(packed, n, k_shards, xp)
+        if np.dtype(dtype) == jnp.bfloat16:
+            assert k % 2 == 0, f"bfloat16 packing pairs rows: K = {k} is odd"
+            pairs = packed.reshape(num_shards * panels, k // 2, 2, PANEL_WIDTH).transpose(0, 1, 3, 2)
+            packed = pairs.reshape(num_shards * panels, k // 2, 2 * PANEL_WIDTH).astype(jnp.bfloat16)
+        return cls(np.ascontiguousarray(packed) if xp is np else packed, n)
+
+    @classmethod
+    def _pack_int8(cls, packed, n: int, k_shards: int, xp) -> PackedWeight:
+        """From packed [panels, K, PANEL_WIDTH] float: int8 quads, the columns' scales and sums."""
+        panels, k, _ = packed.shape
+        assert k % (4 * k_shards) == 0, f"int8 packing takes rows by fours in each of {k_shards} blocks: K = {k}"
+        packed = packed.astype(xp.float32)
+        absmax = xp.max(xp.abs(packed), axis=1)  # [panels, PANEL_WIDTH]
+        scale = xp.where(absmax > 0, absmax / 127.0, 1.0).astype(xp.float32)
+        q = xp.clip(xp.round(packed / scale[:, None, :]), -127, 127).astype(xp.int8)
+        sums = q.astype(xp.int32).reshape(panels, k_shards, k // k_shards, PANEL_WIDTH).sum(axis=2)
+        sums = sums.transpose(1, 0, 2).reshape(k_shards, panels * PANEL_WIDTH)
+        quads = q.reshape(panels, k // 4, 4, PANEL_WIDTH).transpose(0, 1, 3, 2).reshape(panels, k // 4, 4 * PANEL_WIDTH)
+        arrays = (quads, scale.reshape(-1), sums)
+        if xp is np:
+            arrays = tuple(np.ascontiguousarray(a) for a in arrays)
+        return cls(arrays[0], n, arrays[1], arrays[2])
+
+    def columns(self, ids):
+        """w[:, ids].T, [len(ids), K] float32: an embedding lookup when w is a tied LM head (embed.T)."""
+        panels, rows, width = self.data.shape
+        if width == PANEL_WIDTH:
+            return self.data[ids // PANEL_WIDTH, :, ids % PANEL_WIDTH]
+        if self.data.dtype == jnp.int8:
+            quads = self.data.reshape(panels, rows, PANEL_WIDTH, 4)[ids // PANEL_WIDTH, :, ids % PANEL_WIDTH, :]
+            return quads.reshape(-1, 4 * rows).astype(jnp.float32) * self.scale[ids][:, None]
+        pairs = self.data.reshape(panels, rows, PANEL_WIDTH, 2)[ids // PANEL_WIDTH, :, ids % PANEL_WIDTH, :]
+        return pairs.reshape(-1, 2 * rows).astype(jnp.float32)  # [len(ids), K / 2, 2] -> [len(ids), K]
+
+
+def _rows_operand(x, rows):
+    return jnp.asarray(x.shape[0] if rows is None else rows, jnp.int32)
+
+
+def _packed_call(target: str, x, w: PackedWeight, columns: int, rows):
+    """The kernel `target` (its _bf16 twin for bfloat16 weights, x rounded to bfloat16; its _int8 twin for
+    int8 weights, x quantized in the kernel) -> [M, columns]."""
+    assert x.dtype == jnp.float32, "the CPU matmul kernel takes float32 activations"
+    out = jax.ShapeDtypeStruct((x.shape[0], columns), jnp.float32)
+    if w.data.dtype == jnp.int8:
+        sums = w.sums.reshape(1, -1)  # this device's block of rows: one of k_shards
+        return jax.ffi.ffi_call(f"{target}_int8", out)(x, w.data, w.scale, sums, _rows_operand(x, rows))
+    if w.data.dtype == jnp.bfloat16:
+        target, x = f"{target}_bf16", x.astype(jnp.bfloat16)
+    else:
+        assert w.data.dtype == jnp.float32, w.data.dtype
+    return jax.ffi.ffi_call(target, out)(x, w.data, _rows_operand(x, rows))
+
+
+def matmul(x, w, rows=None):
+    """x [M, K] @ w: the packed kernel for a PackedWeight, XLA's dot for a plain array.
+
+    rows (a traced int32 or None: all): the kernel multiplies only x's first `rows` rows, the real
+    tokens of a padded step, and gives zeros below them; XLA's dot computes every row.
+    """
+    if not isinstance(w, PackedWeight):
+        return x @ w
+    return _packed_call("jaxserve_packed_matmul", x, w, w.n, rows)
+
+
+def silu_gated_matmul(x, w, rows=None):
+    """silu(x @ w_gate) * (x @ w_up) for w = [w_gate | w_up] [K, 2 I]: one kernel call for a PackedWeight
+    whose halves are whole panels (I a multiple of PANEL_WIDTH), else matmul and XLA. rows: as for matmul."""
+    if isinstance(w, PackedWeight) and w.n % (2 * PANEL_WIDTH) == 0:
+        return _packed_call("jaxserve_packed_gated_matmul", x, w, w.n // 2, rows)
+    gate, up = jnp.split(matmul(x, w, rows), 2, axis=-1)
+    return jax.nn.silu(gate) * up
