@@ -57,6 +57,9 @@ DTYPES = ("auto", "float32", "bfloat16")
 # auto: dtype's, and bfloat16 under matmul_backend cpu-bf16 (device_defaults.py). bfloat16 pages under
 # float32 activations are read by the C++ attention kernel (half the bytes) or XLA's.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+# vLLM's names. int8: int8 weights with per-channel scales, activations quantized per token (W8A8); fp8: the
+# same in float8 e4m3. Unset: the checkpoint's own (a quantization_config), else none.
+QUANTIZATIONS = ("int8", "fp8")
 # vLLM's: fcfs orders by arrival alone; priority lets a request's `priority` (lower first) order admission and
 # choose preemption victims, so off by default: any client could otherwise jump the queue.
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -125,6 +128,11 @@ class EngineConfig:
     kv_cache_dtype: str = setting("auto", "the KV pages' dtype; auto: dtype's, bfloat16 under matmul_backend "
                                           "cpu-bf16 (half the bytes per token; a float32 engine widens them as it "
                                           "reads them)", choices=KV_CACHE_DTYPES)
+    quantization: str | None = setting(
+        None, "int8: the weight matrices in int8 with a scale per output channel, activations quantized per token "
+              "as each matmul runs (the C++ CPU matmul's VNNI dot, or XLA's int8 dot); fp8: the same in float8 "
+              "e4m3 (XLA's fp8 GEMM on a Hopper GPU); default: none, or what the checkpoint declares",
+        choices=QUANTIZATIONS)
     seed: int = setting(0, "seed of the seeds drawn for requests that bring none (and of dummy weights)")
     load_format: str = setting(
         "auto", "auto: the model's weight files; dummy: random weights made on the device, in the shape of a "
@@ -190,7 +198,7 @@ class EngineConfig:
               "with speculative_config")
         for f in dataclasses.fields(self):
             choices = f.metadata["choices"]
-            check(choices is None or getattr(self, f.name) in choices,
+            check(choices is None or getattr(self, f.name) in choices or getattr(self, f.name) is f.default is None,
                   f"{f.name}={getattr(self, f.name)!r} must be one of {choices}")
         check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
               f"{self.block_size=} must be a power of two")

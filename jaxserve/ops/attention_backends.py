@@ -123,6 +123,13 @@ def resolve_matmul_backend(requested: str, engine_cfg: EngineConfig, platform: s
     platform = platform or jax.default_backend()
     if requested == "auto" and platform != "cpu":
         return "xla"
+    if engine_cfg.quantization == "fp8":  # the C++ matmul's 8-bit type is int8
+        if requested != "auto":
+            raise ValueError(f"matmul_backend={requested!r} has no fp8 weights: use quantization='int8' (the "
+                             f"fast 8-bit type on a CPU) or matmul_backend='xla'")
+        logger.warning("quantization='fp8' on a CPU runs XLA's dot (the C++ matmul's 8-bit type is int8, "
+                       "quantization='int8', which is faster here)")
+        return "xla"
     if requested == "cpu-bf16":
         reason = _cpu_kernel_error(engine_cfg, platform)
         if reason:

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.config.model_config import ModelConfig
 from jaxserve.ops.packed_matmul import PackedWeight
+from jaxserve.ops.quantized import QuantizedWeight
 from jaxserve.models.params import MODEL_AXIS, param_specs
 from jaxserve.models.transformer import forward, init_kv_cache
 from jaxserve.ops.sampling import SamplerOutput, SamplingTensors, argmax, choose, no_logprobs, sample
@@ -40,6 +41,10 @@ VOCAB_SPEC = P(None, MODEL_AXIS)  # logits [S, V]: by vocabulary
 # [panels, K, PANEL_WIDTH]: split by panels where the matrix is split by columns, by K where by rows.
 _FUSED_FROM = {"w_qkv": "wq", "b_qkv": "bq", "w_gate_up": "w_gate"}
 _PACKED_SPECS = {P(None, MODEL_AXIS): P(MODEL_AXIS, None, None), P(MODEL_AXIS, None): P(None, MODEL_AXIS, None)}
+# An int8 packed matrix's column scales [panels * PANEL_WIDTH] go with its columns; its column sums
+# [k_shards, panels * PANEL_WIDTH] with its columns, or by row block where it is split by rows.
+_PACKED_SCALE_SPECS = {P(None, MODEL_AXIS): P(MODEL_AXIS), P(MODEL_AXIS, None): P(None)}
+_PACKED_SUMS_SPECS = {P(None, MODEL_AXIS): P(None, MODEL_AXIS), P(MODEL_AXIS, None): P(MODEL_AXIS, None)}
 
 
 def serving_specs(cfg: ModelConfig, serving: dict) -> dict:
@@ -47,7 +52,13 @@ def serving_specs(cfg: ModelConfig, serving: dict) -> dict:
     specs = param_specs(cfg)
 
     def leaf_spec(spec, value):
-        return PackedWeight(_PACKED_SPECS[spec], value.n) if isinstance(value, PackedWeight) else spec
+        if isinstance(value, PackedWeight):
+            quantized = value.scale is not None
+            return PackedWeight(_PACKED_SPECS[spec], value.n, _PACKED_SCALE_SPECS[spec] if quantized else None,
+                                _PACKED_SUMS_SPECS[spec] if quantized else None)
+        if isinstance(value, QuantizedWeight):  # a scale per output column: split with the columns
+            return QuantizedWeight(spec, P(spec[-1]))
+        return spec
 
     layer_specs = {name: P(*specs["layers"][_FUSED_FROM.get(name, name)][1:]) for name in serving["layers"][0]}
     out = {"layers": [{name: leaf_spec(layer_specs[name], value) for name, value in layer.items()}

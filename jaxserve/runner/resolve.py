@@ -45,6 +45,7 @@ class ResolvedConfig:
     matmul_backend: str
     matmul_hint: str | None  # said at start-up where the matmul backend is not the one asked for
     packed_dtype: str | None  # the C++ matmul's packed weights, None for XLA's dot
+    quantization: str | None  # XLA's 8-bit weights (QuantizedWeight), None where packed or unquantized
     sampler_branches: bool  # the sampler branches on device data (not on a GPU: a branch waits for the host)
     kv_tile: int  # keys per iteration of XLA's attention loop
     max_positions: int  # positions the rope tables cover (max_model_len before the pool may lower it)
@@ -74,13 +75,17 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, device: DeviceInfo
     attention = resolve_attention_backend(engine.attention_backend, device_model, engine, platform)
     matmul = resolve_matmul_backend(engine.matmul_backend, engine, platform)
     compiled_for = platform or jax.default_backend()
+    packed_dtype = PACKED_DTYPES.get(matmul)
+    if packed_dtype and engine.quantization == "int8":
+        packed_dtype = "int8"
     spec = engine.speculative_config
     sized = engine.num_kv_pages is not None or engine.kv_cache_memory_bytes is not None
     return ResolvedConfig(
         engine=engine, requested=cfg, model=model_cfg, device_model=device_model, layout=layout, device=device,
         platform=compiled_for, chosen=chosen,
         attention_backend=paired_attention_backend(attention, matmul), matmul_backend=matmul,
-        matmul_hint=matmul_hint(cfg.matmul_backend, matmul), packed_dtype=PACKED_DTYPES.get(matmul),
+        matmul_hint=matmul_hint(cfg.matmul_backend, matmul), packed_dtype=packed_dtype,
+        quantization=engine.quantization if packed_dtype is None else None,
         sampler_branches=compiled_for != "gpu", kv_tile=min(engine.kv_tile, engine.max_model_len),
         max_positions=engine.max_model_len,
         prefill_buckets=tuple(prefill_buckets(engine)), decode_buckets=tuple(decode_buckets(engine)),
