@@ -66,9 +66,9 @@ def test_compare_greedy_reports_the_first_differing_token():
     a, b, c = ([tokenizer.encode(text, add_special_tokens=False)] for text in ("Hi!", "Hi?", "H"))
     assert quality.compare_greedy(a, a, tokenizer) == []
     (d,) = quality.compare_greedy(a, b, tokenizer)
-    assert (d.prompt, d.position, d.reference_text, d.text) == (0, 2, "!", "?")
+    assert (d.prompt, d.position, d.common_text, d.reference_text, d.text) == (0, 2, "Hi", "!", "?")
     (d,) = quality.compare_greedy(a, c, tokenizer)
-    assert (d.position, d.reference_text, d.text) == (1, "i!", "")
+    assert (d.position, d.common_text, d.reference_text, d.text) == (1, "H", "i!", "")
 
 
 def test_greedy_of_another_model_is_reported_with_positions(tmp_path, llm_a):

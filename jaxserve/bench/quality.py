@@ -51,6 +51,7 @@ CHAT_PROMPTS = (
     "How do I reverse a list in Python?",
     "Give me two tips for sleeping better.",
 )
+PROMPTS = PLAIN_PROMPTS + CHAT_PROMPTS  # in greedy_prompts' order
 # What the float32 reference shares with the setting measured: the weights (a dummy model's draw) and the
 # engine's limits. Every other setting, quantization and backends included, is left at its default: the
 # reference is the model as its float32 engine runs it, whatever settings are added later.
@@ -78,6 +79,7 @@ class GreedyDifference:
 
     prompt: int  # its index in greedy_prompts
     position: int  # the first output token that differs (or where the shorter output ended)
+    common_text: str  # the output tokens before it, which both share
     reference_text: str  # the reference's output from that token on
     text: str  # the setting's output from that token on
 
@@ -188,8 +190,8 @@ def compare_greedy(reference: Sequence[Sequence[int]], other: Sequence[Sequence[
         if list(ref) == list(out):
             continue
         position = next((t for t, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out)))
-        differences.append(GreedyDifference(i, position, tokenizer.decode(ref[position:]),
-                                            tokenizer.decode(out[position:])))
+        differences.append(GreedyDifference(i, position, tokenizer.decode(ref[:position]),
+                                            tokenizer.decode(ref[position:]), tokenizer.decode(out[position:])))
     return differences
 
 
@@ -208,7 +210,8 @@ def evaluate(model, settings: dict, *, max_tokens: int = 4096, chunk_size: int =
     greedy = greedy_tokens(llm, greedy_prompts(llm.tokenizer))
     done = time.perf_counter()
     cfg = runner.cfg
-    resolved = (f"{cfg.dtype}, KV {cfg.kv_cache_dtype}, {runner.matmul_backend} matmul, "
+    weights = f"{cfg.quantization} weights, " if cfg.quantization else ""
+    resolved = (f"{cfg.dtype}, {weights}KV {cfg.kv_cache_dtype}, {runner.matmul_backend} matmul, "
                 f"{runner.attention_backend} attention")
     evaluation = Evaluation(label, resolved, len(ids), float(np.exp(nlls.mean())), tuple(map(tuple, greedy)),
                             {"load": loaded - start, "perplexity": scored - loaded, "greedy": done - scored},
@@ -233,8 +236,8 @@ def report(reference: Evaluation, evaluation: Evaluation) -> tuple[str, dict]:
         lines.append(f"| {e.label} | {e.resolved} | {e.perplexity:.4f} | {ratio:.4f} ({100 * (ratio - 1):+.2f}%) | "
                      f"{num_equal}/{num_prompts} | {seconds} |")
     for d in differences:
-        lines += ["", f"prompt {d.prompt} differs from output token {d.position}:",
-                  f"  float32: {d.reference_text!r}", f"  setting: {d.text!r}"]
+        lines += ["", f"prompt {d.prompt} ({PROMPTS[d.prompt]!r}) differs from output token {d.position}:",
+                  f"  both:    {d.common_text!r}", f"  float32: {d.reference_text!r}", f"  setting: {d.text!r}"]
     as_dict = lambda e: {k: v for k, v in dataclasses.asdict(e).items() if k != "tokenizer"}  # noqa: E731
     result = {"text": TEXT_PATH.name, "num_tokens": reference.num_tokens, "reference": as_dict(reference),
               "setting": as_dict(evaluation), "perplexity_ratio": evaluation.perplexity / reference.perplexity,
