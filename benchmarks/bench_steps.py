@@ -120,7 +120,9 @@ def engine_phases(engine, prompts: np.ndarray, decode_steps: int, async_scheduli
 
 
 class JaxserveBench:
-    def __init__(self, max_batch: int, prompt_len: int, decode_steps: int, max_phase_batch: int = 0):
+    def __init__(self, max_batch: int, prompt_len: int, decode_steps: int, max_phase_batch: int = 0,
+                 **settings):
+        """settings: engine settings besides float32 and the batch limits (benchmarks/bench_quantization.py)."""
         from jaxserve.core.engine import LLMEngine
         from jaxserve.config.engine_config import EngineConfig
         from jaxserve.weights import load_model
@@ -134,6 +136,7 @@ class JaxserveBench:
             dtype="float32",
             max_num_seqs=max(32, max_batch, max_phase_batch),
             max_num_batched_tokens=max(512, max_batch * prompt_len),
+            **settings,
         )
         # The runner-level cases below use the engine's runner and pool directly, between its own runs.
         self.engine = LLMEngine(loaded, self.cfg)

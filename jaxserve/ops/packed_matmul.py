@@ -66,7 +66,8 @@ class PackedWeight:
         assert k % (4 * k_shards) == 0, f"int8 packing takes rows by fours in each of {k_shards} blocks: K = {k}"
         packed = packed.astype(xp.float32)
         absmax = xp.max(xp.abs(packed), axis=1)  # [panels, PANEL_WIDTH]
-        scale = xp.where(absmax > 0, absmax / 127.0, 1.0).astype(xp.float32)
+        # times the reciprocal: XLA turns a division by a constant into that, and host and device must agree
+        scale = xp.where(absmax > 0, absmax * np.float32(1 / 127), np.float32(1)).astype(xp.float32)
         q = xp.clip(xp.round(packed / scale[:, None, :]), -127, 127).astype(xp.int8)
         sums = q.astype(xp.int32).reshape(panels, k_shards, k // k_shards, PANEL_WIDTH).sum(axis=2)
         sums = sums.transpose(1, 0, 2).reshape(k_shards, panels * PANEL_WIDTH)

@@ -49,7 +49,8 @@ class QuantizedWeight:
         dtype, largest = KINDS[kind]
         w32 = w.astype(xp.float32)
         absmax = xp.max(xp.abs(w32), axis=-2)  # [..., N]
-        scale = xp.where(absmax > 0, absmax / largest, 1.0).astype(xp.float32)
+        # times the reciprocal: XLA turns a division by a constant into that, and host and device must agree
+        scale = xp.where(absmax > 0, absmax * np.float32(1 / largest), np.float32(1)).astype(xp.float32)
         q = w32 / scale[..., None, :]
         q = xp.clip(xp.round(q), -largest, largest) if kind == "int8" else xp.clip(q, -largest, largest)
         return cls(q.astype(dtype), scale)

@@ -1,0 +1,123 @@
+"""int8 weights (`quantization="int8"`) in the C++ packed matmul: the kernel is exactly the product of
+the quantized operands (x per row, w per column), its padding rows are zeros, the gated form and the
+embedding lookup agree, column sums follow a split by rows, and the engine serves with it compiling
+nothing after warm-up. The XLA-side QuantizedWeight has its own tests."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.ops import cpu_ffi
+from jaxserve.ops.packed_matmul import PANEL_WIDTH, PackedWeight, matmul, silu_gated_matmul
+from jaxserve.runner.compilation import forbid_compilation
+
+needs_kernels = pytest.mark.skipif(cpu_ffi.kernel_error() is not None,
+                                   reason=f"the CPU kernels are unavailable: {cpu_ffi.kernel_error()}")
+
+
+def unpacked_int8(packed: PackedWeight, k: int) -> np.ndarray:
+    """The integer weights [K, panels * PANEL_WIDTH] a PackedWeight holds, unpacked independently of the kernel."""
+    panels = packed.data.shape[0]
+    quads = np.asarray(packed.data).reshape(panels, k // 4, PANEL_WIDTH, 4).transpose(0, 1, 3, 2)
+    return quads.reshape(panels, k, PANEL_WIDTH).transpose(1, 0, 2).reshape(k, panels * PANEL_WIDTH)
+
+
+def quantized_product(x: np.ndarray, packed: PackedWeight, n: int) -> np.ndarray:
+    """float64 (round(x / sx) * sx) @ (q * scale): what W8A8 computes, to float32's summation error."""
+    k = x.shape[1]
+    absmax = np.abs(x).max(axis=1, keepdims=True)
+    x_scale = np.where(absmax > 0, absmax / np.float32(127), np.float32(1))  # float32, as the kernel rounds
+    xq = np.rint(x * (np.float32(1) / x_scale)).astype(np.float64) * x_scale
+    w = unpacked_int8(packed, k).astype(np.float64) * np.asarray(packed.scale, np.float64)
+    return (xq.astype(np.float64) @ w)[:, :n]
+
+
+@needs_kernels
+@pytest.mark.parametrize("k, n", [(4, 1), (32, 47), (64, 96), (576, 960)])
+@pytest.mark.parametrize("m", [1, 8, 9, 17])
+def test_int8_matmul_is_the_product_of_the_quantized_operands(m, k, n):
+    """Exact integer sums (vpdpbusd, or widened bytes) then two scales: the float64 product of the
+    quantized operands to float32's rounding, and within the quantization error of the float product."""
+    rng = np.random.default_rng(m * 1000 + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    packed = PackedWeight.pack(w, dtype=np.int8)
+    assert packed.data.dtype == np.int8 and packed.data.shape == (-(-n // PANEL_WIDTH), k // 4, 4 * PANEL_WIDTH)
+    out = np.asarray(jax.jit(matmul)(jnp.asarray(x), jax.device_put(packed)))
+    expected = quantized_product(x, packed, n)
+    np.testing.assert_allclose(out, expected, atol=1e-5 * np.sqrt(k), rtol=1e-5)
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    assert np.abs(out - exact).max() <= 0.03 * np.abs(exact).max()  # ~1% per operand, not garbage
+    if k >= 64:
+        assert np.abs(out - exact).max() > 1e-3  # it is quantized: the test above could tell
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [0, 5, 9, 24])
+def test_int8_gated_matmul_and_row_cut(rows):
+    """silu(x @ w_gate) * (x @ w_up) from int8-packed [w_gate | w_up], only the first `rows` rows, zeros below."""
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((24, 576)).astype(np.float32)
+    w = (rng.standard_normal((576, 4 * PANEL_WIDTH)) / 24).astype(np.float32)
+    packed = PackedWeight.pack(w, dtype=np.int8)
+    gate, up = np.split(quantized_product(x, packed, 4 * PANEL_WIDTH), 2, axis=-1)
+    expected = gate / (1.0 + np.exp(-gate)) * up
+    expected[rows:] = 0.0
+    out = np.asarray(jax.jit(silu_gated_matmul)(jnp.asarray(x), jax.device_put(packed), jnp.int32(rows)))
+    np.testing.assert_allclose(out, expected, atol=1e-4, rtol=1e-4)
+    plain = np.asarray(jax.jit(matmul)(jnp.asarray(x), jax.device_put(packed), jnp.int32(rows)))
+    assert not plain[rows:].any()
+
+
+def test_int8_packing_in_jax_and_numpy_agree_and_columns_are_the_dequantized_embeddings():
+    w = np.random.default_rng(0).standard_normal((12, 100)).astype(np.float32)
+    host = PackedWeight.pack(w, dtype=np.int8)
+    traced = jax.jit(lambda a: PackedWeight.pack(a, dtype=np.int8))(jnp.asarray(w))
+    for name in ("data", "scale", "sums"):
+        np.testing.assert_array_equal(np.asarray(getattr(traced, name)), getattr(host, name))
+    ids = jnp.asarray([0, 47, 48, 99, 5])
+    dequantized = unpacked_int8(host, 12) * host.scale
+    looked_up = np.asarray(jax.jit(PackedWeight.columns)(traced, ids))
+    np.testing.assert_allclose(looked_up, dequantized[:, np.asarray(ids)].T, rtol=1e-5)
+    np.testing.assert_allclose(looked_up, w[:, np.asarray(ids)].T, atol=np.abs(w).max() / 127)
+    assert not unpacked_int8(host, 12)[:, 100:].any(), "the last panel is padded with zeros"
+
+
+def test_int8_column_sums_are_kept_per_block_of_rows_for_a_split_by_rows():
+    """Under tensor parallelism a matrix split by rows gives each device a block of K: the offset's
+    correction needs that block's column sums, not the whole column's."""
+    w = np.random.default_rng(1).standard_normal((16, 50)).astype(np.float32)
+    packed = PackedWeight.pack(w, dtype=np.int8, k_shards=2)
+    q = unpacked_int8(packed, 16).astype(np.int64)
+    assert packed.sums.shape == (2, 2 * PANEL_WIDTH)
+    np.testing.assert_array_equal(packed.sums, np.stack([q[:8].sum(0), q[8:].sum(0)]))
+    with pytest.raises(AssertionError, match="by fours"):
+        PackedWeight.pack(w[:12], dtype=np.int8, k_shards=2)
+
+
+@needs_kernels
+def test_the_engine_serves_int8_weights_and_compiles_nothing_after_warm_up(tiny_model_dir):
+    """quantization="int8" on a CPU: every packed matrix is int8 (with scales), the LM head included, the
+    norms stay float32; greedy generation runs with compilation forbidden after warm-up and mostly
+    agrees with the float32 engine (a tiny random model's margins are small, so not token for token)."""
+    kw = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, block_size=8, num_kv_pages=40)
+    llm = LLM(tiny_model_dir("llama"), quantization="int8", forbid_compilation_after_warmup=True, **kw)
+    runner = llm.engine.runner
+    assert runner.resolved.packed_dtype == "int8" and runner.matmul_backend == "cpu"
+    leaves = jax.tree.leaves(runner.params, is_leaf=lambda v: isinstance(v, PackedWeight))
+    packed = [leaf for leaf in leaves if isinstance(leaf, PackedWeight)]
+    assert len(packed) == 4 * runner.model_cfg.num_layers + 1
+    assert all(leaf.data.dtype == jnp.int8 and leaf.scale.dtype == jnp.float32 for leaf in packed)
+    prompts = [{"prompt_token_ids": list(range(1 + i, 9 + 3 * i))} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with forbid_compilation():
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    reference = LLM(tiny_model_dir("llama"), dtype="float32", **kw).generate(prompts, params, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    assert [len(t) for t in tokens] == [8] * 4
+    first = [t[0] for t in tokens], [o.outputs[0].token_ids[0] for o in reference]
+    assert sum(a == b for a, b in zip(*first)) >= 3, first
