@@ -38,6 +38,11 @@ class _EngineCollector:
                                                    "declared bucket)", stats["compilations_since_warmup"])
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+        if "quantization" in stats:  # as vLLM's *_info gauges: the value 1, the facts in the labels
+            info = GaugeMetricFamily(PREFIX + "weights_info", "How the weights and KV pages are held",
+                                     labels=["quantization", "kv_cache_dtype"])
+            info.add_metric([stats["quantization"] or "none", stats["kv_cache_dtype"]], 1)
+            yield info
         counters = {
             "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", stats["prefix_cache_queries"]),
             "prefix_cache_hits": ("Prompt tokens found in the prefix cache", stats["prefix_cache_hits"]),

@@ -10,10 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from types import SimpleNamespace
+
+from prometheus_client.parser import text_string_to_metric_families
+
 from jaxserve import LLM, SamplingParams
 from jaxserve.ops import cpu_ffi
 from jaxserve.ops.packed_matmul import PANEL_WIDTH, PackedWeight, matmul, silu_gated_matmul
 from jaxserve.runner.compilation import forbid_compilation
+from server.metrics import Metrics
 
 needs_kernels = pytest.mark.skipif(cpu_ffi.kernel_error() is not None,
                                    reason=f"the CPU kernels are unavailable: {cpu_ffi.kernel_error()}")
@@ -100,13 +105,21 @@ def test_int8_column_sums_are_kept_per_block_of_rows_for_a_split_by_rows():
 
 
 @needs_kernels
-def test_the_engine_serves_int8_weights_and_compiles_nothing_after_warm_up(tiny_model_dir):
+def test_the_engine_serves_int8_weights_and_compiles_nothing_after_warm_up(tiny_model_dir, caplog):
     """quantization="int8" on a CPU: every packed matrix is int8 (with scales), the LM head included, the
-    norms stay float32; greedy generation runs with compilation forbidden after warm-up and mostly
-    agrees with the float32 engine (a tiny random model's margins are small, so not token for token)."""
+    norms stay float32; the start-up line and /metrics say so; greedy generation runs with compilation
+    forbidden after warm-up and mostly agrees with the float32 engine (a tiny random model's margins are
+    small, so not token for token)."""
     kw = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, block_size=8, num_kv_pages=40)
-    llm = LLM(tiny_model_dir("llama"), quantization="int8", forbid_compilation_after_warmup=True, **kw)
+    with caplog.at_level("INFO", logger="jaxserve.startup"):
+        llm = LLM(tiny_model_dir("llama"), quantization="int8", forbid_compilation_after_warmup=True, **kw)
     runner = llm.engine.runner
+    assert f"weights int8 (W8A8, the C++ matmul), {runner.device_weight_bytes / 2**20:.1f} MiB per device" in caplog.text
+    stats = llm.engine.get_stats()
+    assert (stats["quantization"], stats["kv_cache_dtype"]) == ("int8", "float32")
+    text = Metrics(SimpleNamespace(stats=stats)).render().decode()
+    info = [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == "jaxserve:weights_info"]
+    assert [(s.labels, s.value) for s in info] == [({"quantization": "int8", "kv_cache_dtype": "float32"}, 1)]
     assert runner.resolved.packed_dtype == "int8" and runner.matmul_backend == "cpu"
     leaves = jax.tree.leaves(runner.params, is_leaf=lambda v: isinstance(v, PackedWeight))
     packed = [leaf for leaf in leaves if isinstance(leaf, PackedWeight)]

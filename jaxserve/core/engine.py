@@ -23,7 +23,7 @@ from jaxserve.config.device_defaults import DeviceInfo
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.core.detokenizer import IncrementalDetokenizer
 from jaxserve.runner.device_batch import ReqIndices
-from jaxserve.core.startup import log_engine_shape, log_warmup
+from jaxserve.core.startup import log_engine_shape, log_warmup, quantization_in_use
 from jaxserve.log import STARTUP
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.resolve import ResolvedConfig, resolve_config
@@ -297,5 +297,7 @@ class LLMEngine:
             "tensor_parallel_size": self.cfg.tensor_parallel_size,
             "device_weight_bytes": self.runner.device_weight_bytes,  # on each device of the mesh
             "device_kv_cache_bytes": self.runner.device_kv_cache_bytes,
+            "quantization": quantization_in_use(self.runner),  # None: float weights
+            "kv_cache_dtype": self.cfg.kv_cache_dtype,
         }
 

@@ -18,11 +18,29 @@ def log_engine_shape(runner: ModelRunner, source: str) -> None:
     STARTUP.info(f"{resolved.model.architecture} from {source}; KV cache {runner.num_pages - 1} pages x "
                  f"{runner.cfg.page_size} tokens = {runner.max_concurrent_tokens} max concurrent tokens "
                  f"({runner.kv_cache_bytes / 2**20:.0f} MiB)")
+    STARTUP.info(f"weights {describe_weights(runner)}, {runner.device_weight_bytes / 2**20:.1f} MiB per device; "
+                 f"KV pages {runner.cfg.kv_cache_dtype}, {runner.device_kv_cache_bytes / 2**20:.1f} MiB per device")
     if runner.mesh is not None:
         STARTUP.info(f"tensor parallel over {runner.mesh.size} {runner.mesh.devices.flat[0].platform} devices "
                      f"({runner.parallel.describe()}); per device: weights "
                      f"{runner.device_weight_bytes / 2**20:.1f} MiB, KV cache "
                      f"{runner.device_kv_cache_bytes / 2**20:.1f} MiB; {runner.describe_weights_read()}")
+
+
+def describe_weights(runner: ModelRunner) -> str:
+    """How the weight matrices are held: "int8 (W8A8, the C++ matmul)", "fp8 (W8A8, XLA's dot)", "bfloat16 ..."."""
+    resolved = runner.resolved
+    quantization = quantization_in_use(runner)
+    where = "the C++ matmul" if resolved.packed_dtype else "XLA's dot"
+    if quantization:
+        return f"{quantization} (W8A8, {where})"
+    return f"{resolved.packed_dtype or resolved.engine.dtype} ({where})"
+
+
+def quantization_in_use(runner: ModelRunner) -> str | None:
+    """The weights' quantization ("int8", "fp8"), None for float weights."""
+    resolved = runner.resolved
+    return resolved.quantization or ("int8" if resolved.packed_dtype == "int8" else None)
 
 
 def log_warmup(summary: dict) -> None:
