@@ -19,7 +19,7 @@ import pytest
 
 import pallas_kernels as pk
 from jaxserve.ops import cpu_ffi
-from jaxserve.ops.attention import ragged_paged_attention
+from jaxserve.ops.attention import ragged_paged_attention, to_page_dtype
 from jaxserve.ops.attention_backends import paged_attention, resolve_attention_backend, write_kv
 from jaxserve.config.model_config import ModelConfig, RopeConfig
 from jaxserve.config.engine_config import EngineConfig
@@ -67,17 +67,19 @@ def test_cpu_kernel_matches_the_reference(head_dim, page_size, group, window, so
     np.testing.assert_allclose(out, xla, atol=2e-5, rtol=1e-5)  # the engine's two CPU paths agree too
 
 
+@pytest.mark.parametrize("page_dtype", ["bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("head_dim,page_size,group,window,soft_cap", CASES)
-def test_bfloat16_pages_give_what_their_float32_widening_gives(head_dim, page_size, group, window, soft_cap):
-    """Pages in bfloat16 (kv_cache_dtype): every path of the kernel (grouped, general loop, tiles) reads
-    them widened to float32, so its output is the float32 kernel's on the same values, which agrees with
-    XLA's attention reading the bfloat16 pages."""
+def test_narrow_pages_give_what_their_float32_widening_gives(head_dim, page_size, group, window, soft_cap,
+                                                             page_dtype):
+    """Pages in bfloat16 or float8 e4m3 (kv_cache_dtype): every path of the kernel (grouped, general loop,
+    tiles) reads them widened to float32, so its output is the float32 kernel's on the same values, which
+    agrees with XLA's attention reading the same pages."""
     kw = dict(scale=head_dim ** -0.5, sliding_window=window, soft_cap=soft_cap)
     attend = {b: jax.jit(functools.partial(paged_attention, backend=b, **kw)) for b in ("cpu", "xla")}
     for lengths in ("ragged", "long"):
         q, k, v, md, real_tokens = build_case(LENGTHS[lengths](page_size), page_size=page_size, head_dim=head_dim,
                                               group=group, dtype="float32", seed=6)
-        k16, v16 = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+        k16, v16 = to_page_dtype(k, page_dtype), to_page_dtype(v, page_dtype)  # as written: clipped to fp8's range
         out = np.asarray(attend["cpu"](q, k16, v16, LAYER, md))
         widened = np.asarray(attend["cpu"](q, k16.astype(jnp.float32), v16.astype(jnp.float32), LAYER, md))
         np.testing.assert_allclose(out, widened, atol=1e-6, rtol=1e-6, err_msg=lengths)
@@ -86,19 +88,25 @@ def test_bfloat16_pages_give_what_their_float32_widening_gives(head_dim, page_si
         assert np.abs(out[:real_tokens] - np.asarray(attend["cpu"](q, k, v, LAYER, md))[:real_tokens]).max() > 1e-4
 
 
-def test_the_bfloat16_page_writer_writes_what_xlas_scatter_writes_in_place():
-    """write_kv for bfloat16 pages under the C++ backends (XLA:CPU would widen the whole pool around a
-    bfloat16 scatter): the same bits as XLA's scatter, only the given slots, into the given layer."""
+@pytest.mark.parametrize("page_dtype", ["bfloat16", "float8_e4m3fn"])
+def test_the_c_page_writer_writes_what_xlas_scatter_writes_in_place(page_dtype):
+    """write_kv for bfloat16 or float8 pages under the C++ backends (XLA:CPU would widen the whole pool
+    around a scatter in either dtype): the same bits as XLA's scatter (float8: clipped to +-448, ties to
+    even, subnormals), only the given slots, into the given layer."""
     rng = np.random.default_rng(2)
     shape = (3, 6, 8, 2, 32)
-    k0 = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-    v0 = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    k0 = jnp.asarray(rng.standard_normal(shape), page_dtype)
+    v0 = jnp.asarray(rng.standard_normal(shape), page_dtype)
     k, v = (jnp.asarray(rng.standard_normal((5, 2, 32)) * 3, jnp.float32) for _ in range(2))
+    # float8's edges: past the largest value, ties, subnormals, negative zero
+    edges = [1000.0, -1000.0, 448.0, 464.0, 1.0625, 1.1875, 2.0**-8, 3 * 2.0**-10, 2.0**-6 * 0.97, -0.0, 1e-9]
+    k = k.at[0, 0, :len(edges)].set(jnp.asarray(edges, jnp.float32))
     slots = jnp.asarray([9, 0, 47, 10, 30], jnp.int32)
     ours = jax.jit(functools.partial(write_kv, backend="cpu"))(k0, v0, 1, k, v, slots)
     xla = jax.jit(functools.partial(write_kv, backend="xla"))(k0, v0, 1, k, v, slots)
+    bits = np.uint16 if page_dtype == "bfloat16" else np.uint8
     for a, b, before in zip(ours, xla, (k0, v0)):
-        np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+        np.testing.assert_array_equal(np.asarray(a).view(bits), np.asarray(b).view(bits))
         assert (np.asarray(a) != np.asarray(before)).reshape(3, -1).any(-1).tolist() == [False, True, False]
 
 

@@ -91,9 +91,16 @@ def num_pool_pages(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
     return cfg.kv_cache_memory_bytes // page_bytes - 1
 
 
+# vLLM's names for float8 e4m3 pages -> JAX's dtype name, which the resolved config holds.
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+
+
 def resolve_kv_cache_dtype(cfg: EngineConfig, dtype: str | None = None) -> str:
-    """The KV pages' dtype: kv_cache_dtype, or for "auto" that of the engine's `dtype` (resolved; cfg.dtype by
-    default), bfloat16 under matmul_backend "cpu-bf16"."""
+    """The KV pages' dtype, a name jnp takes: kv_cache_dtype ("fp8" and "fp8_e4m3" as "float8_e4m3fn"),
+    or for "auto" that of the engine's `dtype` (resolved; cfg.dtype by default), bfloat16 under
+    matmul_backend "cpu-bf16"."""
+    if cfg.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+        return "float8_e4m3fn"
     if cfg.kv_cache_dtype != "auto":
         return cfg.kv_cache_dtype
     return "bfloat16" if cfg.matmul_backend == "cpu-bf16" else (dtype or cfg.dtype)

@@ -55,8 +55,10 @@ MATMUL_BACKENDS = ("auto", "xla", "cpu", "cpu-bf16")
 # auto: float32 on a CPU (its fast dtype), bfloat16 on a GPU (the Pallas kernels'; float16 is not supported).
 DTYPES = ("auto", "float32", "bfloat16")
 # auto: dtype's, and bfloat16 under matmul_backend cpu-bf16 (device_defaults.py). bfloat16 pages under
-# float32 activations are read by the C++ attention kernel (half the bytes) or XLA's.
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+# float32 activations are read by the C++ attention kernel (half the bytes) or XLA's. fp8 (vLLM's name;
+# fp8_e4m3 its alias) resolves to JAX's float8_e4m3fn, the name the resolved config holds: a quarter of
+# float32's bytes, scale 1.0, every reader widens the pages in its kernel.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8", "fp8_e4m3", "float8_e4m3fn")
 # vLLM's names. int8: int8 weights with per-channel scales, activations quantized per token (W8A8); fp8: the
 # same in float8 e4m3. Unset: the checkpoint's own (a quantization_config), else none.
 QUANTIZATIONS = ("int8", "fp8")
@@ -127,7 +129,9 @@ class EngineConfig:
                                  f"{GPU.dtype} on a GPU", choices=DTYPES)
     kv_cache_dtype: str = setting("auto", "the KV pages' dtype; auto: dtype's, bfloat16 under matmul_backend "
                                           "cpu-bf16 (half the bytes per token; a float32 engine widens them as it "
-                                          "reads them)", choices=KV_CACHE_DTYPES)
+                                          "reads them); fp8 (or fp8_e4m3): float8 e4m3, a quarter of float32's "
+                                          "bytes, scale 1.0, keys and values clipped to +-448 as they are written",
+                                  choices=KV_CACHE_DTYPES)
     quantization: str | None = setting(
         None, "int8: the weight matrices in int8 with a scale per output channel, activations quantized per token "
               "as each matmul runs (the C++ CPU matmul's VNNI dot, or XLA's int8 dot); fp8: the same in float8 "

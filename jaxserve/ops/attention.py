@@ -36,12 +36,23 @@ class AttentionMetadata(NamedTuple):
     block_tables: jax.Array  # [S, pages_per_seq] int32
 
 
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value; it has no infinity, and the cast of a larger value is NaN
+
+
+def to_page_dtype(x, dtype):
+    """Keys or values in the pages' dtype: rounded to nearest; for float8 e4m3 pages (scale 1.0) clipped
+    to +-FP8_MAX first, so that an outlier saturates rather than becoming NaN."""
+    if jnp.dtype(dtype) == jnp.float8_e4m3fn:
+        x = jnp.clip(x.astype(jnp.float32), -FP8_MAX, FP8_MAX)
+    return x.astype(dtype)
+
+
 def write_kv(k_pages, v_pages, layer, k, v, slot_mapping):
     """Scatters this step's keys and values [T, num_kv_heads, head_dim] into the pages of `layer`."""
     page_size = k_pages.shape[2]
     page, offset = slot_mapping // page_size, slot_mapping % page_size
-    k_pages = k_pages.at[layer, page, offset].set(k.astype(k_pages.dtype))
-    v_pages = v_pages.at[layer, page, offset].set(v.astype(v_pages.dtype))
+    k_pages = k_pages.at[layer, page, offset].set(to_page_dtype(k, k_pages.dtype))
+    v_pages = v_pages.at[layer, page, offset].set(to_page_dtype(v, v_pages.dtype))
     return k_pages, v_pages
 
 

@@ -3,8 +3,8 @@ and which matmul (`resolve_matmul_backend`).
 
   xla               `jaxserve.ops.attention.ragged_paged_attention`: pure JAX, any platform, the reference.
   cpu               the same contract, every row (decode rows and prompt chunks) computed by the C++ kernel
-                    of `cpu_ffi.py` (XLA:CPU, float32 KV pages; built with the machine's C++
-                    compiler on first use).
+                    of `cpu_ffi.py` (XLA:CPU, float32 activations; KV pages in float32, bfloat16 or
+                    float8 e4m3; built with the machine's C++ compiler on first use).
   pallas            `pallas_kernels` (Mosaic GPU, Hopper): the ragged kernel for the prefill entry point,
                     the flash-decoding kernel for the decode entry point.
   pallas-interpret  the same kernels run by JAX's GPU interpreter on the CPU: tests and debugging, slow.
@@ -158,12 +158,12 @@ def matmul_hint(requested: str, resolved: str) -> str | None:
 
 def write_kv(k_pages, v_pages, layer, k, v, slot_mapping, *, backend: str = "xla"):
     """Writes this step's keys and values [T, KVH, D] into the pages of `layer` (attention.write_kv's
-    XLA scatter; with the C++ attention backends and bfloat16 pages, the C++ writer, since XLA:CPU
-    widens the whole array around a bfloat16 scatter)."""
-    if backend in ("cpu", "cpu-bf16") and k_pages.dtype == jnp.bfloat16:
-        from jaxserve.ops.cpu_ffi import write_bf16_pages
+    XLA scatter; with the C++ attention backends and bfloat16 or float8 pages, the C++ writer, since
+    XLA:CPU widens the whole array around a scatter in either dtype)."""
+    if backend in ("cpu", "cpu-bf16") and k_pages.dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
+        from jaxserve.ops.cpu_ffi import write_pages
 
-        return write_bf16_pages(k_pages, v_pages, layer, k, v, slot_mapping)
+        return write_pages(k_pages, v_pages, layer, k, v, slot_mapping)
     return xla_write_kv(k_pages, v_pages, layer, k, v, slot_mapping)
 
 

@@ -20,7 +20,7 @@ instruction sets the library may use, on any OS, with GCC or clang) and, on Linu
 of /proc/cpuinfo, which also tells apart CPUs whose differences no macro names; a key a little finer
 than needed costs at most a rebuild. Compiler warnings (-Wall) go to the log. Without a compiler, or
 when the compiler runs past BUILD_TIMEOUT_S, `kernel_error()` says why, and the engine keeps XLA's
-attention and dot. Activations are float32; KV pages float32 or bfloat16 (`kv_cache_dtype`).
+attention and dot. Activations are float32; KV pages float32, bfloat16 or float8 e4m3 (`kv_cache_dtype`).
 
 A library is loaded only from a directory of this user's that nobody else can write to (a directory
 others can write to lets them put their code into this process): a kernel cache that is not (a shared
@@ -68,7 +68,12 @@ TARGETS = {  # FFI target -> handler symbol
     "jaxserve_packed_gated_matmul_bf16": "JaxservePackedGatedMatmulBf16",
     "jaxserve_packed_matmul_int8": "JaxservePackedMatmulInt8",
     "jaxserve_packed_gated_matmul_int8": "JaxservePackedGatedMatmulInt8",
+    "jaxserve_paged_row_attention_fp8_pages": "JaxservePagedRowAttentionFp8Pages",
+    "jaxserve_write_fp8_pages": "JaxserveWriteFp8Pages",
 }
+# The attention kernel's and the page writer's FFI targets by page dtype (float32 pages are written by XLA).
+_PAGE_SUFFIX = {jnp.dtype(jnp.float32): "", jnp.dtype(jnp.bfloat16): "_bf16_pages",
+                jnp.dtype(jnp.float8_e4m3fn): "_fp8_pages"}
 PANEL_WIDTH = 48  # columns per packed panel: kPanelWidth in packed_matmul.cc, which checks it
 _registered = False  # XLA keeps the first handler registered under a target for the process
 _register_lock = threading.Lock()
@@ -268,13 +273,13 @@ def paged_row_attention(q, k_pages, v_pages, layer, kv_lens, row_seqs, block_tab
                         sliding_window=0, soft_cap: float = 0.0, bf16_products: bool = False):
     """Attention of query rows q [R, H, D]: row r attends to keys 0..kv_lens[r]-1 of the pages
     [num_layers, num_pages, page_size, KVH, D] of `layer`, through block_tables[row_seqs[r]];
-    [R, H, D] float32, zeros where kv_len is 0. Pages in float32, or bfloat16 (kv_cache_dtype; read and
-    widened to float32 in the kernel, half the bytes).
+    [R, H, D] float32, zeros where kv_len is 0. Pages in float32, bfloat16 or float8 e4m3 (kv_cache_dtype;
+    read and widened to float32 in the kernel: a half or a quarter of the bytes).
 
     bf16_products: the prompt tiles' two products take operands rounded to bfloat16 (float32 sums),
     where the kernels are built for AVX512-BF16 (`bf16_dot_instructions`); ignored elsewhere."""
-    assert k_pages.dtype == v_pages.dtype and k_pages.dtype in (jnp.float32, jnp.bfloat16), k_pages.dtype
-    target = "jaxserve_paged_row_attention" + ("_bf16_pages" if k_pages.dtype == jnp.bfloat16 else "")
+    assert k_pages.dtype == v_pages.dtype and k_pages.dtype in _PAGE_SUFFIX, k_pages.dtype
+    target = "jaxserve_paged_row_attention" + _PAGE_SUFFIX[k_pages.dtype]
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     return call(q.astype(jnp.float32), k_pages, v_pages, i32(layer), i32(kv_lens), i32(row_seqs), i32(block_tables),
@@ -282,13 +287,14 @@ def paged_row_attention(q, k_pages, v_pages, layer, kv_lens, row_seqs, block_tab
                 bf16_products=np.int32(bf16_products))
 
 
-def write_bf16_pages(k_pages, v_pages, layer, k, v, slot_mapping):
-    """`attention.write_kv` for bfloat16 pages: k and v [T, KVH, D] rounded into the slots of `layer`, in
-    place (the page arrays are aliased to the results). XLA:CPU has no bfloat16 scatter: it widens the
-    whole page array to float32 and back around one, seconds per step for a large pool."""
-    assert k_pages.dtype == v_pages.dtype == jnp.bfloat16, k_pages.dtype
-    call = jax.ffi.ffi_call("jaxserve_write_bf16_pages", (jax.ShapeDtypeStruct(k_pages.shape, jnp.bfloat16),
-                                                          jax.ShapeDtypeStruct(v_pages.shape, jnp.bfloat16)),
+def write_pages(k_pages, v_pages, layer, k, v, slot_mapping):
+    """`attention.write_kv` for bfloat16 or float8 e4m3 pages: k and v [T, KVH, D] rounded (float8:
+    clipped to +-attention.FP8_MAX first) into the slots of `layer`, in place (the page arrays are
+    aliased to the results). XLA:CPU has no scatter in these dtypes: it widens the whole page array to
+    float32 and back around one, seconds per step for a large pool."""
+    assert k_pages.dtype == v_pages.dtype and _PAGE_SUFFIX.get(k_pages.dtype), k_pages.dtype
+    pages = jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype)
+    call = jax.ffi.ffi_call("jaxserve_write" + _PAGE_SUFFIX[k_pages.dtype], (pages, pages),
                             input_output_aliases={0: 0, 1: 1})
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     return call(k_pages, v_pages, k.astype(jnp.float32), v.astype(jnp.float32), i32(layer), i32(slot_mapping))

@@ -12,7 +12,8 @@
 // (__builtin_shufflevector); with an older compiler the build fails and the engine keeps XLA.
 // XLA's gather-based version (attention.py) copies every page first, on one thread.
 //
-// Pages, queries and the output are float32. With `bf16_products` set, on a CPU with AVX512-BF16, a
+// Queries and the output are float32; pages float32, bfloat16 or float8 e4m3 (kv_cache_dtype "fp8",
+// scale 1.0), widened to float32 as they are read. With `bf16_products` set, on a CPU with AVX512-BF16, a
 // tile's two products take bfloat16 operands (queries, keys, the softmax weights and values rounded
 // to nearest, float32 sums; see TileBf16): one vdpbf16ps adds two products to 16 float32 sums,
 // twice float32's multiply rate. Elsewhere the flag is ignored (float32 is then the fast path). A row
@@ -20,7 +21,7 @@
 
 #include <algorithm>
 #include <array>
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 #include <cmath>
@@ -49,8 +50,8 @@ using jaxserve::Vec;
 
 constexpr int64_t kLineBytes = 64;  // a cache line
 
-// A page element: float, or bfloat16 bits (uint16_t). Load (8 or 16 of them, as float32) and Widen
-// (one) read either kind.
+// A page element: float, bfloat16 bits (uint16_t) or float8 e4m3 bits (Fp8). Load (8 or 16 of them,
+// as float32) and Widen (one) read each kind.
 using Bf16 = uint16_t;
 typedef Bf16 UnalignedBf16Vec __attribute__((vector_size(kLanes * sizeof(Bf16)), aligned(2)));
 typedef uint32_t UintVec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
@@ -67,6 +68,63 @@ inline float Widen(Bf16 x) {
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
+}
+
+// float8 e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits, no infinities; written clipped to
+// +-448 (WritePages), so never the NaN codes 0x7f / 0xff (read here as +-480). Every e4m3 value is a
+// float16 with the exponent 8 lower: the byte b becomes the float16 bits sign << 15 | (b & 0x7f) << 7,
+// widened by the CPU's float16 conversion (F16C; exact, subnormals included, whatever the denormal
+// mode) and multiplied by 2^8. Without F16C, the float32 bits are put together (subnormals, exponent
+// field 0, as m * 2^-9).
+enum class Fp8 : uint8_t {};
+typedef uint8_t UnalignedFp8Vec __attribute__((vector_size(kLanes), aligned(1)));
+
+inline float Widen(Fp8 x) {
+  const uint32_t b = static_cast<uint8_t>(x), sign = (b & 0x80u) << 24, magnitude = b & 0x7fu;
+  const uint32_t bits = magnitude >= 8 ? sign | ((magnitude << 20) + (120u << 23)) : 0u;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return magnitude >= 8 ? f : (sign ? -1.0f : 1.0f) * static_cast<float>(magnitude) * (1.0f / 512.0f);
+}
+
+inline Vec Load(const Fp8* x) {
+#if defined(__AVX512F__)  // kLanes 16
+  const __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  // b << 8 shifted right by one with its sign: the sign at bits 15 and 14, b & 0x7f at 13..7; clear 14
+  const __m256i half = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(words, 8), 1), _mm256_set1_epi16(0x3fff | 0x8000));
+  // (the masked form: GCC 12 warns of the plain one's undefined pass-through operand)
+  return (Vec)_mm512_mul_ps(_mm512_maskz_cvtph_ps(0xffff, half), _mm512_set1_ps(256.0f));
+#elif defined(__F16C__)  // kLanes 8
+  const __m128i words = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x)));
+  const __m128i half = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(words, 8), 1), _mm_set1_epi16(0x3fff | 0x8000));
+  return (Vec)_mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0f));
+#else
+  const UintVec b = __builtin_convertvector(*reinterpret_cast<const UnalignedFp8Vec*>(x), UintVec);
+  const UintVec sign = (b & 0x80u) << 24, magnitude = b & 0x7fu;
+  const UintVec normal = sign | ((magnitude << 20) + (120u << 23));
+  const Vec subnormal = __builtin_convertvector(magnitude, Vec) * (1.0f / 512.0f);
+  UintVec sub_bits;
+  std::memcpy(&sub_bits, &subnormal, sizeof(sub_bits));
+  const UintVec bits = magnitude >= 8u ? normal : sub_bits | sign;
+  Vec v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+#endif
+}
+
+// x rounded to the nearest float8 e4m3 (ties to even), clipped to +-448; NaN stays NaN (0x7f).
+inline uint8_t RoundFp8(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+  if (std::isnan(x)) return sign | 0x7fu;
+  const float a = std::min(std::fabs(x), 448.0f);
+  if (a < 0.015625f) {  // below 2^-6: subnormal, m * 2^-9 (m = 8 is the smallest normal's code)
+    return sign | static_cast<uint8_t>(std::nearbyint(a * 512.0f));
+  }
+  std::memcpy(&bits, &a, sizeof(bits));
+  bits = (bits + 0x7ffffu + ((bits >> 20) & 1u)) & 0xfff00000u;  // 3 mantissa bits, to nearest even
+  return sign | static_cast<uint8_t>((((bits >> 23) - 120u) << 3) | ((bits >> 20) & 7u));
 }
 
 // Everything the rows' attention needs; pointers into XLA's buffers, `k`/`v` at the layer's start.
@@ -677,13 +735,37 @@ std::vector<TileJob> Jobs(const Problem<Page>& p, int64_t num_rows, bool tiles) 
 
 // XLA's buffer type of a page element.
 template <typename Page>
-constexpr ffi::DataType kPageType = std::is_same_v<Page, float> ? ffi::F32 : ffi::BF16;
+constexpr ffi::DataType kPageType = std::is_same_v<Page, float>  ? ffi::F32
+                                    : std::is_same_v<Page, Bf16> ? ffi::BF16
+                                                                 : ffi::F8E4M3FN;
+
+// The FFI's buffer type of pages: typed, but for float8, which the FFI's typed buffers do not take
+// (no C++ element type): an untyped buffer whose element type the handler checks (PageTypeError).
+template <typename Page>
+struct PageBufferOf {
+  using type = ffi::Buffer<kPageType<Page>>;
+};
+template <>
+struct PageBufferOf<Fp8> {
+  using type = ffi::AnyBuffer;
+};
+template <typename Page>
+using PageBuffer = typename PageBufferOf<Page>::type;
+
+template <typename Page>
+bool WrongPageType(const PageBuffer<Page>& pages) {
+  if constexpr (std::is_same_v<Page, Fp8>) {
+    return pages.element_type() != ffi::F8E4M3FN;
+  } else {
+    return false;
+  }
+}
 
 template <typename Page>
 ffi::Error PagedRowAttention(ffi::ThreadPool pool,
                              ffi::Buffer<ffi::F32> q,                  // [R, H, D]
-                             ffi::Buffer<kPageType<Page>> k_pages,     // [L, P, page, KVH, D]
-                             ffi::Buffer<kPageType<Page>> v_pages,     // [L, P, page, KVH, D]
+                             PageBuffer<Page> k_pages,              // [L, P, page, KVH, D]
+                             PageBuffer<Page> v_pages,              // [L, P, page, KVH, D]
                              ffi::Buffer<ffi::S32> layer,           // []
                              ffi::Buffer<ffi::S32> kv_lens,         // [R]
                              ffi::Buffer<ffi::S32> row_seqs,        // [R], the row's block table
@@ -695,6 +777,9 @@ ffi::Error PagedRowAttention(ffi::ThreadPool pool,
   const auto kv_dims = k_pages.dimensions();
   if (q_dims.size() != 3 || kv_dims.size() != 5 || block_tables.dimensions().size() != 2) {
     return ffi::Error::InvalidArgument("paged_row_attention: unexpected operand ranks");
+  }
+  if (WrongPageType<Page>(k_pages) || WrongPageType<Page>(v_pages)) {
+    return ffi::Error::InvalidArgument("paged_row_attention: the pages are not float8_e4m3fn");
   }
   const int64_t num_rows = q_dims[0], num_heads = q_dims[1], head_dim = q_dims[2];
   const int64_t num_pages = kv_dims[1], page_size = kv_dims[2], num_kv_heads = kv_dims[3];
@@ -732,14 +817,14 @@ ffi::Error PagedRowAttention(ffi::ThreadPool pool,
 
 namespace {
 
-// The handlers' signature, for float32 or bfloat16 pages.
+// The handlers' signature, for float32, bfloat16 or float8 e4m3 pages.
 template <typename Page>
 auto AttentionBinding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
       .Arg<ffi::Buffer<ffi::F32>>()
-      .template Arg<ffi::Buffer<kPageType<Page>>>()
-      .template Arg<ffi::Buffer<kPageType<Page>>>()
+      .template Arg<PageBuffer<Page>>()
+      .template Arg<PageBuffer<Page>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
@@ -756,47 +841,62 @@ auto AttentionBinding() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedRowAttention, PagedRowAttention<float>, AttentionBinding<float>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedRowAttentionBf16Pages, PagedRowAttention<Bf16>,
                               AttentionBinding<Bf16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedRowAttentionFp8Pages, PagedRowAttention<Fp8>, AttentionBinding<Fp8>());
 
-// Writes a step's keys and values [T, KVH, D] (float32) into bfloat16 pages at their slots (page *
-// page_size + offset), rounded to nearest even, in place: the page arrays are aliased to the outputs.
-// XLA:CPU has no bfloat16 scatter; it would widen the whole page array to float32 and back around one.
+// Writes a step's keys and values [T, KVH, D] (float32) into bfloat16 or float8 e4m3 pages at their
+// slots (page * page_size + offset), rounded to nearest even (float8 clipped to +-448), in place: the
+// page arrays are aliased to the outputs. XLA:CPU has no scatter in either dtype; it would widen the
+// whole page array to float32 and back around one.
 namespace {
 
-ffi::Error WriteBf16Pages(ffi::Buffer<ffi::BF16> k_pages, ffi::Buffer<ffi::BF16> v_pages, ffi::Buffer<ffi::F32> k,
-                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slots,
-                          ffi::ResultBuffer<ffi::BF16> k_out, ffi::ResultBuffer<ffi::BF16> v_out) {
+inline uint16_t Round(float x, Bf16) { return static_cast<uint16_t>(RoundHigh(x) >> 16); }
+inline uint8_t Round(float x, Fp8) { return RoundFp8(x); }
+
+template <typename Page>
+ffi::Error WritePages(PageBuffer<Page> k_pages, PageBuffer<Page> v_pages, ffi::Buffer<ffi::F32> k,
+                      ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slots,
+                      ffi::Result<PageBuffer<Page>> k_out, ffi::Result<PageBuffer<Page>> v_out) {
   const auto kv_dims = k_pages.dimensions(), row_dims = k.dimensions();
   if (kv_dims.size() != 5 || row_dims.size() != 3 || row_dims[1] != kv_dims[3] || row_dims[2] != kv_dims[4] ||
       static_cast<int64_t>(slots.element_count()) != row_dims[0] || v.element_count() != k.element_count() ||
       k_out->untyped_data() != k_pages.untyped_data() || v_out->untyped_data() != v_pages.untyped_data()) {
-    return ffi::Error::InvalidArgument("write_bf16_pages: operand shapes do not match, or the pages are not aliased");
+    return ffi::Error::InvalidArgument("write_pages: operand shapes do not match, or the pages are not aliased");
+  }
+  if (WrongPageType<Page>(k_pages) || WrongPageType<Page>(v_pages)) {
+    return ffi::Error::InvalidArgument("write_pages: the pages are not float8_e4m3fn");
   }
   const int64_t layer_index = layer.typed_data()[0], num_slots = kv_dims[1] * kv_dims[2];
   if (layer_index < 0 || layer_index >= kv_dims[0]) {
-    return ffi::Error::InvalidArgument("write_bf16_pages: layer index out of range");
+    return ffi::Error::InvalidArgument("write_pages: layer index out of range");
   }
+  using Bits = decltype(Round(0.0f, Page{}));
   const int64_t row = kv_dims[3] * kv_dims[4];
-  const auto write = [&](const float* rows, uint16_t* pages) {
+  const auto write = [&](const float* rows, Bits* pages) {
     pages += layer_index * num_slots * row;
     for (int64_t t = 0; t < row_dims[0]; ++t) {
       const int64_t slot = std::clamp<int64_t>(slots.typed_data()[t], 0, num_slots - 1);
-      for (int64_t i = 0; i < row; ++i) pages[slot * row + i] = static_cast<uint16_t>(RoundHigh(rows[t * row + i]) >> 16);
+      for (int64_t i = 0; i < row; ++i) pages[slot * row + i] = Round(rows[t * row + i], Page{});
     }
   };
-  write(k.typed_data(), reinterpret_cast<uint16_t*>(k_out->untyped_data()));
-  write(v.typed_data(), reinterpret_cast<uint16_t*>(v_out->untyped_data()));
+  write(k.typed_data(), reinterpret_cast<Bits*>(k_out->untyped_data()));
+  write(v.typed_data(), reinterpret_cast<Bits*>(v_out->untyped_data()));
   return ffi::Error::Success();
+}
+
+template <typename Page>
+auto WriteBinding() {
+  return ffi::Ffi::Bind()
+      .Arg<PageBuffer<Page>>()
+      .template Arg<PageBuffer<Page>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<PageBuffer<Page>>()
+      .template Ret<PageBuffer<Page>>();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteBf16Pages, WriteBf16Pages,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteBf16Pages, WritePages<Bf16>, WriteBinding<Bf16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteFp8Pages, WritePages<Fp8>, WriteBinding<Fp8>());
