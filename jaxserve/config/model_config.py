@@ -21,6 +21,10 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# The 8-bit weights a checkpoint may be stored in (EngineConfig.quantization's names), and the
+# quantization_config methods that declare them.
+CHECKPOINT_QUANTIZATIONS = ("int8", "fp8")
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors")
 
 
 class ModelLoadError(ValueError):
@@ -86,6 +90,9 @@ class ModelConfig:
     local_rope: RopeConfig | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # The checkpoint's weight matrices are stored quantized ("int8", "fp8": its quantization_config), with
+    # a scale per output channel or per tensor; None: float. The engine serves them so unless told otherwise.
+    quantization: str | None = None
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES.values():
@@ -96,6 +103,8 @@ class ModelConfig:
             raise ModelLoadError(f"{self.hidden_act=} is not supported (silu or gelu_tanh)")
         if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
             raise ModelLoadError(f"{len(self.sliding_layers)=} must equal {self.num_layers=}")
+        if self.quantization not in (None, *CHECKPOINT_QUANTIZATIONS):
+            raise ModelLoadError(f"{self.quantization=} must be None or one of {CHECKPOINT_QUANTIZATIONS}")
 
     @property
     def scale(self) -> float:
@@ -145,6 +154,7 @@ class ModelConfig:
             attention_bias=bool(getattr(hf, "attention_bias", False)) or family == "qwen2",
             eos_token_ids=eos_ids,
             bos_token_id=getattr(hf, "bos_token_id", None),
+            quantization=checkpoint_quantization(getattr(hf, "quantization_config", None)),
         )
         layer_types = tuple(getattr(hf, "layer_types", None) or ())
         sliding_window = getattr(hf, "sliding_window", None) or 0
@@ -173,6 +183,55 @@ class ModelConfig:
             sliding_window=sliding_window,
             sliding_layers=sliding_layers,
         )
+
+
+def checkpoint_quantization(config: Any) -> str | None:
+    """A checkpoint's `quantization_config` -> how its weight matrices are stored: "int8", "fp8" or None
+    (no config). Read: vLLM's and Hugging Face's fp8 (a scale per tensor or per output channel) and
+    compressed-tensors' W8A8 and W8A16 (symmetric 8-bit int or float weights, a scale per channel or per
+    tensor). Activations are quantized per token as each matmul runs, whatever the config says of them (a
+    static input_scale is not used). Any other method or scheme is a ModelLoadError naming it."""
+    if not config:
+        return None
+    config = config if isinstance(config, dict) else config.to_dict()
+    method = config.get("quant_method")
+    if method == "fp8":
+        if config.get("weight_block_size"):
+            raise ModelLoadError(
+                f"block-wise fp8 weights (weight_block_size={config['weight_block_size']}, scales in "
+                f"weight_scale_inv) are not supported: jaxserve reads fp8 checkpoints with a scale per tensor "
+                f"or per output channel")
+        return "fp8"
+    if method == "compressed-tensors":
+        return _compressed_tensors_quantization(config)
+    raise ModelLoadError(
+        f"quantization method {method!r} (the checkpoint's quantization_config) is not supported: jaxserve "
+        f"loads 8-bit weights declared by {', '.join(QUANTIZATION_METHODS)} (int8 or fp8, a scale per channel "
+        f"or per tensor), or a float checkpoint with quantization='int8' or 'fp8'")
+
+
+def _compressed_tensors_quantization(config: dict) -> str:
+    """compressed-tensors' config_groups -> "int8" or "fp8": every group's weights must be symmetric 8-bit
+    with a scale per channel or per tensor, all of one type, stored unpacked."""
+    kinds = set()
+    for name, group in (config.get("config_groups") or {}).items():
+        weights = group.get("weights") or {}
+        scheme = {key: weights.get(key) for key in ("num_bits", "type", "strategy", "symmetric")}
+        if (scheme["num_bits"] != 8 or scheme["type"] not in ("int", "float")
+                or scheme["strategy"] not in ("channel", "tensor") or scheme["symmetric"] is False):
+            raise ModelLoadError(
+                f"compressed-tensors group {name!r} has weights {scheme}: jaxserve loads symmetric 8-bit int or "
+                f"float weights with a scale per channel or per tensor (W8A8, W8A16), not group- or block-wise "
+                f"or packed 4-bit ones")
+        kinds.add("int8" if scheme["type"] == "int" else "fp8")
+    fmt = config.get("format")
+    if fmt not in (None, "int-quantized", "float-quantized", "naive-quantized"):
+        raise ModelLoadError(f"compressed-tensors format {fmt!r} is not supported: jaxserve reads int-quantized, "
+                             f"float-quantized and naive-quantized weights")
+    if len(kinds) != 1:
+        raise ModelLoadError(f"compressed-tensors config_groups declare {sorted(kinds) or 'no'} weight types: "
+                             f"jaxserve loads one 8-bit type per checkpoint")
+    return kinds.pop()
 
 
 def _rope_parameters(hf: Any) -> dict:

@@ -104,10 +104,12 @@ def serving_params(cfg: ModelConfig, params, packed: bool = False, num_shards: i
         for lp in layers:
             for name in MATRICES:
                 by_columns = name in COLUMN_SPLIT
-                lp[name] = PackedWeight.pack(lp[name], num_shards if by_columns else 1, packed_dtype,
-                                             k_shards=1 if by_columns else num_shards)
+                pack = PackedWeight.from_quantized if isinstance(lp[name], QuantizedWeight) else PackedWeight.pack
+                lp[name] = pack(lp[name], num_shards if by_columns else 1, packed_dtype,
+                                k_shards=1 if by_columns else num_shards)
         lm_head = out.pop("embed").T if cfg.tie_word_embeddings else out["lm_head"]
-        out["lm_head"] = PackedWeight.pack(lm_head, num_shards, packed_dtype)
+        pack = PackedWeight.from_quantized if isinstance(lm_head, QuantizedWeight) else PackedWeight.pack
+        out["lm_head"] = pack(lm_head, num_shards, packed_dtype)
     elif quantization:
         for lp in layers:
             for name in MATRICES:

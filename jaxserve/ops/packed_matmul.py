@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.ops.cpu_ffi import PANEL_WIDTH
+from jaxserve.ops.quantized import QuantizedWeight
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "scale", "sums"], meta_fields=["n"])
@@ -73,6 +74,34 @@ class PackedWeight:
         sums = sums.transpose(1, 0, 2).reshape(k_shards, panels * PANEL_WIDTH)
         quads = q.reshape(panels, k // 4, 4, PANEL_WIDTH).transpose(0, 1, 3, 2).reshape(panels, k // 4, 4 * PANEL_WIDTH)
         arrays = (quads, scale.reshape(-1), sums)
+        if xp is np:
+            arrays = tuple(np.ascontiguousarray(a) for a in arrays)
+        return cls(arrays[0], n, arrays[1], arrays[2])
+
+    @classmethod
+    def from_quantized(cls, w: QuantizedWeight, num_shards: int = 1, dtype=np.int8, k_shards: int = 1) -> PackedWeight:
+        """An int8 `QuantizedWeight` [K, n] (a quantized checkpoint's) packed as `pack` packs int8, its
+        integers and column scales taken as they are: no second rounding. num_shards, k_shards: as `pack`'s;
+        dtype must be int8 (the one packed type that holds them)."""
+        assert np.dtype(dtype) == np.int8 and w.kind == "int8", f"{w.kind} weights packed as {np.dtype(dtype)}"
+        xp = np if isinstance(w.data, np.ndarray) else jnp
+        k, n = w.shape[0], w.shape[1] // num_shards
+        panels = -(-n // PANEL_WIDTH)
+        assert k % (4 * k_shards) == 0, f"int8 packing takes rows by fours in each of {k_shards} blocks: K = {k}"
+
+        def panelled(a, pad_value):  # [rows, num_shards * n] -> [num_shards * panels, rows, PANEL_WIDTH]
+            blocks = a.reshape(a.shape[0], num_shards, n).transpose(1, 0, 2)
+            padded = xp.pad(blocks, ((0, 0), (0, 0), (0, panels * PANEL_WIDTH - n)), constant_values=pad_value)
+            packed = padded.reshape(num_shards, a.shape[0], panels, PANEL_WIDTH).transpose(0, 2, 1, 3)
+            return packed.reshape(num_shards * panels, a.shape[0], PANEL_WIDTH)
+
+        q = panelled(w.data, 0)  # [panels, K, PANEL_WIDTH] int8
+        scale = panelled(w.scale.astype(xp.float32)[None, :], 1.0).reshape(-1)  # padding columns: scale 1, as pack's
+        panels *= num_shards
+        sums = q.astype(xp.int32).reshape(panels, k_shards, k // k_shards, PANEL_WIDTH).sum(axis=2)
+        sums = sums.transpose(1, 0, 2).reshape(k_shards, panels * PANEL_WIDTH)
+        quads = q.reshape(panels, k // 4, 4, PANEL_WIDTH).transpose(0, 1, 3, 2).reshape(panels, k // 4, 4 * PANEL_WIDTH)
+        arrays = (quads, scale, sums)
         if xp is np:
             arrays = tuple(np.ascontiguousarray(a) for a in arrays)
         return cls(arrays[0], n, arrays[1], arrays[2])

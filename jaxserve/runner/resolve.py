@@ -68,6 +68,10 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, device: DeviceInfo
     platform: decide for "gpu" or "cpu" instead of this machine (check-lowering). dtype: the engine's dtype
     when the caller decided it already (`device_defaults.resolve_dtype`: the weights load in it)."""
     device = device or (DeviceInfo.target(platform) if platform else DeviceInfo.local())
+    if model_cfg.quantization and cfg.quantization not in (None, model_cfg.quantization):
+        raise ValueError(f"quantization={cfg.quantization!r}, but the checkpoint's weights are stored in "
+                         f"{model_cfg.quantization} (its quantization_config): leave quantization unset")
+    cfg = dataclasses.replace(cfg, quantization=cfg.quantization or model_cfg.quantization)
     tp = cfg.tensor_parallel_size
     layout = HeadLayout.for_model(model_cfg, tp) if tp > 1 else None
     device_model = layout.device_config(model_cfg) if layout else model_cfg

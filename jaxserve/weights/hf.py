@@ -20,10 +20,14 @@ from tqdm.auto import tqdm
 
 from jaxserve.config.model_config import ModelConfig, ModelLoadError
 from jaxserve.models.params import param_shapes
+from jaxserve.ops.quantized import KINDS, QuantizedWeight
 from jaxserve.weights import lazy
 from jaxserve.weights.lazy import LazyTensor
 from jaxserve.weights.loaded import LoadedModel
 
+# safetensors' dtype codes of the quantized weights and their scales (the rest read as float32)
+SAFETENSORS_DTYPES = {"I8": jnp.int8, "F8_E4M3": jnp.float8_e4m3fn, "F32": jnp.float32, "BF16": jnp.float32,
+                      "F16": jnp.float32}
 HF_GLOBAL_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
 HF_LAYER_NAMES = {  # under `model.layers.{i}.`
     "attn_norm": "input_layernorm.weight",
@@ -82,14 +86,39 @@ def to_hf(cfg: ModelConfig, name: str, array) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
-def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray | LazyTensor], dtype: str, desc: str) -> dict:
+def quantized_from_hf(cfg: ModelConfig, hf_name: str, weight, scale) -> QuantizedWeight:
+    """A quantized checkpoint's matrix (torch layout [N, K], int8 or float8_e4m3fn, as `cfg.quantization`
+    says) and its `weight_scale` (one per tensor, or per output channel: [N] or [N, 1]) -> a QuantizedWeight
+    [K, N] with a scale per column, the integers or float8 values untouched. LazyTensors stay lazy."""
+    dtype = np.dtype(KINDS[cfg.quantization][0])
+    if np.dtype(weight.dtype) != dtype:
+        raise ModelLoadError(f"tensor {hf_name!r} is {np.dtype(weight.dtype)}, where the checkpoint's "
+                             f"quantization_config declares {cfg.quantization} weights ({dtype})")
+    n = weight.shape[0]
+    if int(np.prod(scale.shape)) not in (1, n):
+        raise ModelLoadError(f"tensor {hf_name}_scale has the shape {tuple(scale.shape)}: jaxserve reads a scale "
+                             f"per tensor or per output channel ({n}), not per group or block")
+    if isinstance(weight, LazyTensor):
+        data = lazy.converted(weight.shape, dtype, weight.__getitem__, transpose=True)
+        return QuantizedWeight(data, lazy.broadcast_scale(scale, n))
+    per_channel = jnp.broadcast_to(jnp.asarray(scale, jnp.float32).reshape(-1), (n,))
+    return QuantizedWeight(jnp.asarray(weight).T, per_channel)
+
+
+def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray | LazyTensor], dtype: str, desc: str,
+                   get_scale: Callable[[str], np.ndarray | LazyTensor | None] | None = None) -> dict:
     """Builds the params pytree; `get(name)` returns a Hugging Face tensor in torch layout, or a
-    LazyTensor of it, which makes the param lazy too (read where it is indexed, `lazy.py`)."""
+    LazyTensor of it, which makes the param lazy too (read where it is indexed, `lazy.py`).
+    get_scale (a quantized checkpoint, `cfg.quantization`): a weight's scale tensor, None where the weight
+    is float (the layers the checkpoint left out); the quantized matrices become `QuantizedWeight`s."""
     shapes = param_shapes(cfg)
 
     def convert(name: str, hf_name: str, shape: tuple[int, ...]):
         source = get(hf_name)
-        if isinstance(source, LazyTensor):
+        scale = get_scale(hf_name) if get_scale is not None and _is_torch_linear(name) else None
+        if scale is not None:
+            array = quantized_from_hf(cfg, hf_name, source, scale)
+        elif isinstance(source, LazyTensor):
             array = lazy.converted(source.shape, dtype, source.__getitem__, transpose=_is_torch_linear(name),
                                    offset=_norm_offset(cfg) if "norm" in name else 0.0)
         else:
@@ -100,6 +129,10 @@ def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray | LazyTenso
         return array
 
     def stack(arrays: list):
+        if isinstance(arrays[0], QuantizedWeight):
+            if not all(isinstance(a, QuantizedWeight) for a in arrays):
+                raise ModelLoadError("a quantized checkpoint's layers must quantize the same matrices")
+            return QuantizedWeight(stack([a.data for a in arrays]), stack([a.scale for a in arrays]))
         return lazy.stacked(arrays) if isinstance(arrays[0], LazyTensor) else jnp.stack(arrays)
 
     layer_names = hf_layer_names(cfg)
@@ -127,8 +160,19 @@ def load_hf_dir(path: Path, dtype: str, lazy: bool = False) -> LoadedModel:
         missing = [name for name in hf_names(cfg) if name not in weight_map]
         if missing:
             raise ModelLoadError(f"tensor {missing[0]!r} is missing from {str(index_file)!r}")
-    files = SafetensorsFiles(lambda name: path / (weight_map[name] if weight_map else "model.safetensors"))
-    params = params_from_hf(cfg, files.lazy if lazy else files.get, dtype, desc=f"loading {path.name}")
+    files = SafetensorsFiles(lambda name: path / (weight_map.get(name, "") if weight_map else "model.safetensors"))
+    get = files.lazy if lazy else files.get
+    get_scale = None
+    if cfg.quantization:  # the matrices with a weight_scale are quantized, the rest (lm_head, ignored layers) float
+
+        def get_scale(name: str):
+            if files.has(f"{name}_scale_inv"):
+                raise ModelLoadError(f"tensor {name!r} has block-wise scales ({name}_scale_inv): jaxserve reads "
+                                     f"a scale per tensor or per output channel")
+            return get(f"{name}_scale") if files.has(f"{name}_scale") else None
+
+        get = (lambda name: files.lazy(name, files.dtype(name))) if lazy else files.get
+    params = params_from_hf(cfg, get, dtype, desc=f"loading {path.name}", get_scale=get_scale)
     return LoadedModel(cfg, params, load_tokenizer_dir(path), str(path))
 
 
@@ -172,6 +216,16 @@ class SafetensorsFiles:
     def names(self, file: Path) -> list[str]:
         return list(self._open(file).keys())
 
+    def has(self, name: str) -> bool:
+        file = self.file_of(name)
+        return file.is_file() and name in self._open(file).keys()
+
+    def dtype(self, name: str) -> np.dtype:
+        """The tensor's dtype in its file (safetensors' names: I8, F8_E4M3, BF16, ...)."""
+        file, handle = self._handle(name)
+        code = self._guard(file, lambda: handle.get_slice(name).get_dtype())
+        return np.dtype(SAFETENSORS_DTYPES.get(code, jnp.float32))
+
     @staticmethod
     def _guard(file: Path, read: Callable):
         from safetensors import SafetensorError
@@ -183,12 +237,27 @@ class SafetensorsFiles:
 
     def get(self, name: str):
         file, handle = self._handle(name)
+        if self.dtype(name) == jnp.float8_e4m3fn:
+            return jnp.asarray(self._guard(file, lambda: self._float8(file, name)))
         return self._guard(file, lambda: handle.get_tensor(name))
 
     def lazy(self, name: str, dtype=np.float32) -> LazyTensor:
         file, handle = self._handle(name)
+        if self.dtype(name) == jnp.float8_e4m3fn:
+            tensor = self._guard(file, lambda: self._float8(file, name))
+            return LazyTensor(tensor.shape, dtype, lambda index: tensor[index])
         tensor = self._guard(file, lambda: handle.get_slice(name))
         return LazyTensor(tensor.get_shape(), dtype, lambda index: self._guard(file, lambda: tensor[index]))
+
+    @staticmethod
+    def _float8(file: Path, name: str) -> np.ndarray:
+        """A float8_e4m3fn tensor, mapped from the file: safetensors' numpy reader asks numpy for a type it
+        does not have. The format: an 8-byte little-endian header size, the JSON header, the tensors' bytes."""
+        with open(file, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            info = json.loads(f.read(size))[name]
+        start, _ = info["data_offsets"]
+        return np.memmap(file, np.dtype(jnp.float8_e4m3fn), "r", offset=8 + size + start, shape=tuple(info["shape"]))
 
 
 def load_tokenizer_dir(path: Path, *, fast: bool = False, **kwargs):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -83,15 +84,17 @@ def converted(source_shape: Sequence[int], dtype, read_source: Callable[[Index],
     return LazyTensor(shape, dtype, read)
 
 
+def broadcast_scale(scale: LazyTensor, n: int) -> LazyTensor:
+    """A quantized weight's scale, one per tensor or per output channel, as [n] float32 (read whole: n floats)."""
+    return LazyTensor((n,), np.float32, lambda index: np.broadcast_to(
+        np.asarray(scale[()], np.float32).reshape(-1), (n,))[index])
+
+
 def bytes_read(tree) -> int:
     """The bytes every LazyTensor in the pytree `tree` has returned so far."""
-    if isinstance(tree, dict):
-        return sum(bytes_read(v) for v in tree.values())
-    return tree.bytes_read if isinstance(tree, LazyTensor) else 0
+    return sum(x.bytes_read for x in jax.tree.leaves(tree) if isinstance(x, LazyTensor))
 
 
 def total_bytes(tree) -> int:
-    """The bytes of the whole params pytree `tree` (lazy or not), read or not."""
-    if isinstance(tree, dict):
-        return sum(total_bytes(v) for v in tree.values())
-    return int(np.prod(tree.shape)) * np.dtype(jnp.dtype(tree.dtype)).itemsize
+    """The bytes of the whole params pytree `tree` (lazy or not, quantized or not), read or not."""
+    return sum(int(np.prod(x.shape)) * np.dtype(jnp.dtype(x.dtype)).itemsize for x in jax.tree.leaves(tree))
