@@ -90,8 +90,10 @@ def quantize_activations(x, kind: str):
 
 
 def matmul(x, w: QuantizedWeight):
-    """x [M, K] @ w -> [M, N] float32, both operands of the dot 8-bit (W8A8)."""
+    """x [M, K] @ w -> [M, N] in x's dtype, both operands of the dot 8-bit (W8A8), summed in int32 or
+    float32 and scaled in float32. In x's dtype as `x @ w` would be: a float32 result would turn a bfloat16
+    model's residual stream float32 from the first layer on."""
     xq, x_scale = quantize_activations(x, w.kind)
     accumulate = jnp.int32 if w.kind == "int8" else jnp.float32
     y = jax.lax.dot_general(xq, w.data, (((1,), (0,)), ((), ())), preferred_element_type=accumulate)
-    return y.astype(jnp.float32) * x_scale * w.scale
+    return (y.astype(jnp.float32) * x_scale * w.scale).astype(x.dtype)

@@ -7,7 +7,10 @@ and running, which happen only on a GPU. Params are shapes only: no weights are 
 
 Each result also counts the step's control flow outside kernels (`stablehlo.while`, `case`, `if` in
 the lowered module; a kernel is one custom call there): on a GPU each one makes the device wait for
-the host to read its predicate, so a CUDA step must have none. `--dump DIR` writes every module.
+the host to read its predicate, so a CUDA step must have none. It also counts the dots by their
+operand and result types, and lists every 8-bit matrix widened by a convert: under `quantization` the
+weights must enter their dots in int8 or float8 (XLA lowers those to int8 and fp8 GEMMs), never
+converted whole to bfloat16 or float32 first. `--dump DIR` writes every module.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ class LoweringResult:
     custom_calls: dict[str, int] = dataclasses.field(default_factory=dict)
     kernels: list = dataclasses.field(default_factory=list)  # pallas_kernels.lowering.LoweredKernel
     control_flow: dict[str, int] = dataclasses.field(default_factory=dict)  # op -> count, outside kernels
+    dots: dict[str, int] = dataclasses.field(default_factory=dict)  # "lhs x rhs -> result" element types -> count
+    widened: list[str] = dataclasses.field(default_factory=list)  # converts of 8-bit matrices to wider types
     error: str = ""
 
 
@@ -52,6 +57,37 @@ def control_flow_ops(module_text: str) -> dict[str, int]:
     for match in CONTROL_FLOW.finditer(module_text):
         counts[match.group(0)] = counts.get(match.group(0), 0) + 1
     return counts
+
+
+_TENSOR = r"tensor<([^>]*)>"
+DOT = re.compile(rf"stablehlo\.dot_general\b[^\n]*?:\s*\({_TENSOR},\s*{_TENSOR}\)\s*->\s*{_TENSOR}")
+CONVERT = re.compile(rf"stablehlo\.convert\b[^\n]*?:\s*\({_TENSOR}\)\s*->\s*{_TENSOR}")
+EIGHT_BIT = ("i8", "ui8", "f8E4M3FN", "f8E5M2")
+
+
+def _element_type(tensor: str) -> str:
+    return tensor.rsplit("x", 1)[-1] if "x" in tensor else tensor  # "64x256xf8E4M3FN" -> "f8E4M3FN"
+
+
+def dot_types(module_text: str) -> dict[str, int]:
+    """Every stablehlo.dot_general in a lowered module by its element types, "lhs x rhs -> result" -> count."""
+    counts: dict[str, int] = {}
+    for lhs, rhs, out in DOT.findall(module_text):
+        key = f"{_element_type(lhs)} x {_element_type(rhs)} -> {_element_type(out)}"
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def widened_matrices(module_text: str) -> list[str]:
+    """The converts that widen an 8-bit matrix (rank 2: a weight, or a layer of a stacked one) to another
+    type, as "KxN i8 -> f32": what a dequantized weight feeding a float dot looks like. Activations are only
+    narrowed to 8 bits; 8-bit KV pages (rank 5) are read by the attention and not matrices."""
+    widened = []
+    for source, target in CONVERT.findall(module_text):
+        shape = source.split("x")[:-1]
+        if _element_type(source) in EIGHT_BIT and len(shape) == 2 and _element_type(target) not in EIGHT_BIT:
+            widened.append(f"{source.rsplit('x', 1)[0]} {_element_type(source)} -> {_element_type(target)}")
+    return widened
 
 
 def param_shapes(cfg: ModelConfig, dtype) -> dict:
@@ -90,6 +126,7 @@ def check_lowering(model_cfg: ModelConfig, engine_cfg: EngineConfig, params=None
                 result.kernels = mosaic_kernels(lowered)
                 text = lowered.as_text()
                 result.control_flow = control_flow_ops(text)
+                result.dots, result.widened = dot_types(text), widened_matrices(text)
                 if dump_dir is not None:
                     Path(dump_dir).mkdir(parents=True, exist_ok=True)
                     (Path(dump_dir) / f"{kind}-{bucket}.mlir").write_text(text)
@@ -111,6 +148,9 @@ def format_results(results: list[LoweringResult], platform: str) -> str:
             calls = ", ".join(f"{name} x{n}" for name, n in sorted(r.custom_calls.items())) or "none"
             flow = ", ".join(f"{op} x{n}" for op, n in sorted(r.control_flow.items())) or "none"
             detail = calls + (f": {kernels}" if kernels else "") + f"; control flow outside kernels: {flow}"
+            eight_bit = sum(n for key, n in r.dots.items() if key.split(" x ")[0] in EIGHT_BIT)
+            if eight_bit or r.widened:
+                detail += f"; 8-bit dots: {eight_bit}, 8-bit matrices widened: {len(r.widened)}"
         else:
             detail = r.error
         rows.append((r.kind, str(r.bucket), r.attention_backend, "ok" if r.ok else "FAILED", f"{r.seconds:.1f}",
