@@ -129,3 +129,22 @@ def test_an_fp8_engine_generates_with_no_compiles_after_warm_up(tiny_model_dir, 
     prompts = [{"prompt_token_ids": list(range(1, 20))}, {"prompt_token_ids": [4, 5, 6, 7]}]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8]
+
+
+def test_the_pallas_kernels_refuse_fp8_pages_by_name_and_auto_takes_xla(caplog):
+    """The Pallas kernels do not read float8 pages yet: "auto" on a GPU serves them with XLA's attention
+    and says why; an explicit pallas backend is refused before anything compiles; the kernels themselves
+    refuse the dtype at trace time."""
+    from jaxserve.ops.attention_backends import resolve_attention_backend
+
+    model = ModelConfig(architecture="llama", vocab_size=64, hidden_size=576, num_layers=2, num_heads=9,
+                        num_kv_heads=3, head_dim=64, intermediate_size=128, rms_norm_eps=1e-5,
+                        rope=RopeConfig(theta=1e4), max_position_embeddings=128, tie_word_embeddings=True)
+    fp8 = EngineConfig(dtype="bfloat16", kv_cache_dtype="fp8")
+    assert resolve_attention_backend("auto", model, EngineConfig(dtype="bfloat16"), platform="gpu") == "pallas"
+    assert resolve_attention_backend("auto", model, fp8, platform="gpu") == "xla"
+    assert "float8 KV pages" in caplog.text
+    with pytest.raises(ValueError, match="pallas-interpret.*float8 KV pages"):
+        resolve_attention_backend("pallas-interpret", model, fp8, platform="cpu")
+    with pytest.raises(pk.UnsupportedShapeError, match="float8_e4m3fn is not supported"):
+        pk.check_supported(num_heads=9, num_kv_heads=3, head_dim=64, page_size=16, dtype=FP8, interpret=True)
