@@ -300,3 +300,29 @@ def test_block_wise_scales_are_refused_by_name(checkpoints, tmp_path):
     save_file(tensors, out / "model.safetensors")
     with pytest.raises(ModelLoadError, match="block-wise scales"):
         load_model(out, "float32")
+
+
+def test_a_q8_0_gguf_serves_from_int8_weights(tmp_path):
+    """A Q8_0 GGUF loaded with quantization='int8' is served from int8 weights (on a CPU the C++ matmul's
+    packed int8, the tied LM head the one copy of the embeddings) holding at most 1.1 bytes per parameter
+    (scales, column sums, norms and rope tables included), and its logits are those of the same file
+    dequantized to float32 within the int8 requantization (each column's scale in place of Q8_0's
+    per-32 block scales) and the activations' quantization."""
+    import gguf_files
+    from gguf import GGMLQuantizationType
+
+    # Widths that fill whole int8 panels (48 columns) and Q8_0 blocks (32): a tiny model's padding is not
+    # what the bound is about (SmolLM2-135M's 576 and 1536 need none)
+    model = tiny_models.make_tiny_model("llama", tmp_path / "hf", embedding_std=1.0, hidden_size=384,
+                                        intermediate_size=768, num_attention_heads=8, num_key_value_heads=4,
+                                        head_dim=48)
+    path = gguf_files.write_gguf(tmp_path / "tiny.Q8_0.gguf", model, "llama", GGMLQuantizationType.Q8_0)
+    runner = _runner(path, quantization="int8", max_model_len=64)
+    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(load_model(path, "float32").params))
+    assert runner.resolved.packed_dtype == "int8"
+    assert all(isinstance(w, PackedWeight) and w.data.dtype == np.int8
+               for w in [*runner.params["layers"][0].values(), runner.params["lm_head"]] if isinstance(w, PackedWeight))
+    assert runner.device_weight_bytes / num_params <= 1.1, runner.device_weight_bytes / num_params
+    got, want = _logits(runner), _logits(_runner(path, max_model_len=64))
+    error = np.abs(got - want) / want.std()
+    assert np.sqrt(np.mean(error**2)) < 0.03 and np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.95
