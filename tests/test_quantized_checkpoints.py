@@ -326,3 +326,10 @@ def test_a_q8_0_gguf_serves_from_int8_weights(tmp_path):
     got, want = _logits(runner), _logits(_runner(path, max_model_len=64))
     error = np.abs(got - want) / want.std()
     assert np.sqrt(np.mean(error**2)) < 0.03 and np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.95
+
+
+def test_tensor_parallelism_over_a_quantized_checkpoint_is_refused_by_name(checkpoints):
+    """Its lazy load (what tensor parallelism reads) says so, instead of failing inside the sharding."""
+    path, _ = checkpoints["compressed-tensors int8"]
+    with pytest.raises(ModelLoadError, match="tensor parallelism over a quantized checkpoint"):
+        load_model(path, "float32", lazy=True)

@@ -163,6 +163,9 @@ def load_hf_dir(path: Path, dtype: str, lazy: bool = False) -> LoadedModel:
     files = SafetensorsFiles(lambda name: path / (weight_map.get(name, "") if weight_map else "model.safetensors"))
     get = files.lazy if lazy else files.get
     get_scale = None
+    if cfg.quantization and lazy:  # tp_layout.shard_params cuts arrays, not a QuantizedWeight's data and scales
+        raise ModelLoadError(f"{str(path)!r} holds {cfg.quantization} weights (its quantization_config): "
+                             f"tensor parallelism over a quantized checkpoint is not supported yet")
     if cfg.quantization:  # the matrices with a weight_scale are quantized, the rest (lm_head, ignored layers) float
 
         def get_scale(name: str):
