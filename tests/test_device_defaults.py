@@ -93,7 +93,7 @@ def test_kv_cache_dtype_auto_follows_dtype_and_cpu_bf16_and_sizes_the_pool_by_it
     with pytest.raises(ValueError, match="kv_cache_dtype='float32' needs dtype='float32'"):
         resolve(EngineConfig(dtype="bfloat16", kv_cache_dtype="float32"), LLAMA3_8B, H100, MEASURED)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        EngineConfig(kv_cache_dtype="fp8")
+        EngineConfig(kv_cache_dtype="fp8_e5m2")  # e4m3 only (vLLM's "fp8")
 
 
 def test_the_users_settings_win():
