@@ -1,6 +1,6 @@
 """int8 weights (`quantization="int8"`) in the C++ packed matmul: the kernel is exactly the product of
 the quantized operands (x per row, w per column), its padding rows are zeros, the gated form and the
-embedding lookup agree, column sums follow a split by rows, and the engine serves with it compiling
+embedding lookup agree, activation groups and their column sums hold, and the engine serves with it compiling
 nothing after warm-up. The XLA-side QuantizedWeight has its own tests."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.ops import cpu_ffi
-from jaxserve.ops.packed_matmul import PANEL_WIDTH, PackedWeight, matmul, silu_gated_matmul
+from jaxserve.ops.packed_matmul import INT8_GROUP, PANEL_WIDTH, PackedWeight, matmul, silu_gated_matmul
 from jaxserve.runner.compilation import forbid_compilation
 from server.metrics import Metrics
 
@@ -32,13 +32,16 @@ def unpacked_int8(packed: PackedWeight, k: int) -> np.ndarray:
 
 
 def quantized_product(x: np.ndarray, packed: PackedWeight, n: int) -> np.ndarray:
-    """float64 (round(x / sx) * sx) @ (q * scale): what W8A8 computes, to float32's summation error."""
-    k = x.shape[1]
-    absmax = np.abs(x).max(axis=1, keepdims=True)
+    """float64 (round(x / sx) * sx) @ (q * scale), x's scales one per group of its row: what W8A8 computes,
+    to float32's summation error."""
+    m, k = x.shape
+    groups = packed.sums.shape[0]
+    xg = x.reshape(m, groups, k // groups)
+    absmax = np.abs(xg).max(axis=2, keepdims=True)
     x_scale = np.where(absmax > 0, absmax / np.float32(127), np.float32(1))  # float32, as the kernel rounds
-    xq = np.rint(x * (np.float32(1) / x_scale)).astype(np.float64) * x_scale
+    xq = (np.rint(xg * (np.float32(1) / x_scale)).astype(np.float64) * x_scale).reshape(m, k)
     w = unpacked_int8(packed, k).astype(np.float64) * np.asarray(packed.scale, np.float64)
-    return (xq.astype(np.float64) @ w)[:, :n]
+    return (xq @ w)[:, :n]
 
 
 @needs_kernels
@@ -92,16 +95,36 @@ def test_int8_packing_in_jax_and_numpy_agree_and_columns_are_the_dequantized_emb
     assert not unpacked_int8(host, 12)[:, 100:].any(), "the last panel is padded with zeros"
 
 
-def test_int8_column_sums_are_kept_per_block_of_rows_for_a_split_by_rows():
-    """Under tensor parallelism a matrix split by rows gives each device a block of K: the offset's
-    correction needs that block's column sums, not the whole column's."""
-    w = np.random.default_rng(1).standard_normal((16, 50)).astype(np.float32)
-    packed = PackedWeight.pack(w, dtype=np.int8, k_shards=2)
-    q = unpacked_int8(packed, 16).astype(np.int64)
-    assert packed.sums.shape == (2, 2 * PANEL_WIDTH)
-    np.testing.assert_array_equal(packed.sums, np.stack([q[:8].sum(0), q[8:].sum(0)]))
+def test_int8_column_sums_are_kept_per_group_and_no_group_straddles_a_split_by_rows():
+    """The offset's correction needs each activation group's column sums; under tensor parallelism a matrix
+    split by rows gives each device a block of K, so its groups must not cross a block's edge."""
+    w = np.random.default_rng(1).standard_normal((256, 50)).astype(np.float32)
+    packed = PackedWeight.pack(w, dtype=np.int8)
+    q = unpacked_int8(packed, 256).astype(np.int64)
+    assert packed.sums.shape == (256 // INT8_GROUP, 2 * PANEL_WIDTH)
+    np.testing.assert_array_equal(packed.sums, q.reshape(256 // INT8_GROUP, INT8_GROUP, -1).sum(1))
+    odd = PackedWeight.pack(w[:96], dtype=np.int8, k_shards=2)  # 48 rows a block: one group each
+    np.testing.assert_array_equal(odd.sums, unpacked_int8(odd, 96).astype(np.int64).reshape(2, 48, -1).sum(1))
     with pytest.raises(AssertionError, match="by fours"):
         PackedWeight.pack(w[:12], dtype=np.int8, k_shards=2)
+
+
+@needs_kernels
+def test_one_outlier_channel_coarsens_only_its_group():
+    """A channel 100x the others (as LLM activations have) with one scale a row would round every other
+    element of the row to a few levels; with a scale per group only its group pays: the kernel's error is
+    a fraction of what one scale a row gives the same weights."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((8, 512)).astype(np.float32)
+    x[:, 7] = 300.0
+    w = rng.standard_normal((512, 96)).astype(np.float32)
+    packed = PackedWeight.pack(w, dtype=np.int8)
+    out = np.asarray(jax.jit(matmul)(jnp.asarray(x), jax.device_put(packed)))
+    w_int8 = unpacked_int8(packed, 512)[:, :96] * packed.scale[:96]
+    row_scale = np.abs(x).max(axis=1, keepdims=True) / 127
+    one_scale_a_row = (np.rint(x / row_scale) * row_scale) @ w_int8
+    exact = x.astype(np.float64) @ w_int8  # the weights' own rounding is the same in both
+    assert np.abs(out - exact).mean() < 0.4 * np.abs(one_scale_a_row - exact).mean()
 
 
 @needs_kernels
