@@ -139,10 +139,10 @@ def test_the_engine_serves_int8_weights_and_compiles_nothing_after_warm_up(tiny_
     runner = llm.engine.runner
     assert f"weights int8 (W8A8, the C++ matmul), {runner.device_weight_bytes / 2**20:.1f} MiB per device" in caplog.text
     stats = llm.engine.get_stats()
-    assert (stats["quantization"], stats["kv_cache_dtype"]) == ("int8", "float32")
+    assert (stats["quantization"], stats["kv_cache_dtype"]) == ("int8", "bfloat16")  # auto: half the bytes
     text = Metrics(SimpleNamespace(stats=stats)).render().decode()
     info = [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == "jaxserve:weights_info"]
-    assert [(s.labels, s.value) for s in info] == [({"quantization": "int8", "kv_cache_dtype": "float32"}, 1)]
+    assert [(s.labels, s.value) for s in info] == [({"quantization": "int8", "kv_cache_dtype": "bfloat16"}, 1)]
     assert runner.resolved.packed_dtype == "int8" and runner.matmul_backend == "cpu"
     leaves = jax.tree.leaves(runner.params, is_leaf=lambda v: isinstance(v, PackedWeight))
     packed = [leaf for leaf in leaves if isinstance(leaf, PackedWeight)]

@@ -128,7 +128,7 @@ class EngineConfig:
     dtype: str = setting("auto", f"weights, activations and KV pages; auto: {CPU.dtype} on a CPU, "
                                  f"{GPU.dtype} on a GPU", choices=DTYPES)
     kv_cache_dtype: str = setting("auto", "the KV pages' dtype; auto: dtype's, bfloat16 under matmul_backend "
-                                          "cpu-bf16 (half the bytes per token; a float32 engine widens them as it "
+                                          "cpu-bf16 or a quantization (half the bytes per token; a float32 engine widens them as it "
                                           "reads them); fp8 (or fp8_e4m3): float8 e4m3, a quarter of float32's "
                                           "bytes, scale 1.0, keys and values clipped to +-448 as they are written",
                                   choices=KV_CACHE_DTYPES)

@@ -44,7 +44,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#if defined(__AVX512BF16__) || defined(__AVX512VNNI__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <cmath>
@@ -335,6 +335,22 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<kXType<T>> x, ffi::Buffer<kW
   return ffi::Error::Success();
 }
 
+typedef uint8_t ByteVec __attribute__((vector_size(kLanes)));
+
+// v rounded to the nearest integer, ties to even (as lrintf in the default rounding mode), lane by lane.
+// (GCC 12's own header trips -Wmaybe-uninitialized inside _mm512_cvtps_epi32: not ours to fix.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+inline IntVec RoundToInt(Vec v) {
+#if defined(__AVX512F__)
+  if constexpr (kLanes == 16) return (IntVec)_mm512_cvtps_epi32((__m512)v);
+#endif
+  IntVec out;
+  for (int lane = 0; lane < kLanes; ++lane) out[lane] = static_cast<int32_t>(std::lrintf(v[lane]));
+  return out;
+}
+#pragma GCC diagnostic pop
+
 // x's rows [m, k] in groups of k / groups: uint8 with the offset of 128 (as 32-bit quads) and each
 // group's scale [m, groups] (its largest |x| -> 127). The rows are spread over the pool's threads when
 // there are enough of them to pay for it (a prompt step's).
@@ -344,13 +360,26 @@ void QuantizeRows(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t k, i
   auto quantize = [=](int64_t r) {
     for (int64_t g = 0; g < groups; ++g) {
       const float* in = x + r * k + g * size;
+      const int64_t whole = size - size % kLanes;  // whole vectors, then the rest one by one
+      Vec largest_lanes = {};
+      for (int64_t i = 0; i < whole; i += kLanes) {
+        const Vec v = Load(in + i);
+        const Vec magnitude = v < 0.0f ? -v : v;
+        largest_lanes = magnitude > largest_lanes ? magnitude : largest_lanes;
+      }
       float largest = 0.0f;
-      for (int64_t i = 0; i < size; ++i) largest = std::max(largest, std::fabs(in[i]));
+      for (int lane = 0; lane < kLanes; ++lane) largest = std::max(largest, largest_lanes[lane]);
+      for (int64_t i = whole; i < size; ++i) largest = std::max(largest, std::fabs(in[i]));
       const float scale = largest > 0.0f ? largest / 127.0f : 1.0f;
       x_scale[r * groups + g] = scale;
       const float inverse = 1.0f / scale;
       uint8_t* out = bytes + r * k + g * size;
-      for (int64_t i = 0; i < size; ++i) out[i] = static_cast<uint8_t>(std::lrintf(in[i] * inverse) + 128);
+      for (int64_t i = 0; i < whole; i += kLanes) {
+        const IntVec q = RoundToInt(Load(in + i) * inverse) + 128;
+        const ByteVec packed = __builtin_convertvector(q, ByteVec);
+        std::memcpy(out + i, &packed, sizeof(packed));
+      }
+      for (int64_t i = whole; i < size; ++i) out[i] = static_cast<uint8_t>(std::lrintf(in[i] * inverse) + 128);
     }
   };
   constexpr int64_t kRowsPerItem = 16;
