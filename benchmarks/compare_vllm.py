@@ -181,7 +181,8 @@ def bench(label: str, port: int, concurrency: int, num_prompts: int, seed: int, 
              "--num-warmups", str(min(concurrency, 4)), "--temperature", "0", "--seed", str(seed),
              "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name],
             env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"}, stdout=subprocess.DEVNULL)
-        return json.loads(out.read_text())
+        # its record names the tokenizer by absolute path: kept relative to the repository, as the args are
+        return json.loads(out.read_text().replace(str(REPO) + "/", ""))
     run([sys.executable, "-m", "jaxserve.cli", "bench", "serve", "--port", str(port), "--label", label,
          "--tokenizer", str(args.hf_dir), "--num-prompts", str(num_prompts), "--input-len", str(args.input_len),
          "--output-len", str(args.output_len), "--ignore-eos", "--max-concurrency", str(concurrency),
