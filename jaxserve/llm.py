@@ -14,9 +14,11 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from jaxserve.config.engine_config import engine_config_from_kwargs
+from jaxserve.config.generation_config import SamplingDefaults, resolve_sampling_defaults
 from jaxserve.core.engine import LLMEngine
 from jaxserve.core.request import Request
 from jaxserve.config.sampling_params import SamplingParams
+from jaxserve.weights import default_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +50,11 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike | None = None, *, warmup: bool = True, **engine_kwargs):
         """engine_kwargs: any `EngineConfig` setting by name (vLLM's names), dtype included."""
-        self.engine, self.warmup_summary = LLMEngine.from_config(model, engine_config_from_kwargs(**engine_kwargs),
-                                                                 warmup=warmup)
+        cfg = engine_config_from_kwargs(**engine_kwargs)
+        # generate() and chat() without sampling params use them (read before the slow load, to fail first)
+        self.sampling_defaults: SamplingDefaults = resolve_sampling_defaults(
+            cfg.generation_config, cfg.override_generation_config, default_model_path() if model is None else model)
+        self.engine, self.warmup_summary = LLMEngine.from_config(model, cfg, warmup=warmup)
         self.config = self.engine.cfg
         self.tokenizer = self.engine.tokenizer
         self._group_error: str | None = None  # a multi-host group's follower gone: every later generate raises
@@ -69,7 +74,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -107,10 +112,14 @@ class LLM:
                                                chat_template=template)
             for conv in conversations
         ]
-        if sampling_params is None:
-            sampling_params = SamplingParams(max_tokens=None)
+        if sampling_params is None:  # the model's max_tokens, else up to the end of the context
+            sampling_params = self.sampling_defaults.sampling_params(max_tokens=self.sampling_defaults.max_tokens(None))
         return self.generate([{"prompt": p, "add_special_tokens": False} for p in prompts],
                              sampling_params, use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() under the model's sampling defaults (`generation_config`, vLLM's method)."""
+        return self.sampling_defaults.sampling_params()
 
     def get_stats(self) -> dict:
         """The engine's counters; see `LLMEngine.get_stats`."""

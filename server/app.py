@@ -23,6 +23,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 import jaxserve
+from jaxserve.config.generation_config import SamplingDefaults
 from jaxserve.core.engine_loop import EngineLoop
 from server import prompts as edge
 from server.admission import ServerState, Submission, submit
@@ -64,12 +65,15 @@ def check_allowed_hosts(allowed_hosts: list[str]) -> None:
 
 def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_body_bytes: int,
                api_key: str | None = None, max_queued_requests: int = 256, chat_page: bool = True,
-               tool_call_parser: str | None = None, allowed_hosts: list[str] | None = None) -> FastAPI:
+               tool_call_parser: str | None = None, allowed_hosts: list[str] | None = None,
+               sampling_defaults: SamplingDefaults | None = None) -> FastAPI:
     """`tool_call_parser`: the parser of tool_choice="auto" (`tool_parsers.PARSERS`); None refuses "auto".
-    `allowed_hosts`: the Host header must name one of them (None: any host)."""
+    `allowed_hosts`: the Host header must name one of them (None: any host). `sampling_defaults`: what a
+    request's absent sampling fields take (`generation_config.py`; None: neutral values)."""
     app = FastAPI(title="jaxserve", version=jaxserve.__version__,
                   description="OpenAI-compatible API of the jaxserve inference engine", strict_content_type=True)
     state = ServerState(engine_loop, served_model_name, max_queued_requests)
+    state.sampling_defaults = sampling_defaults or SamplingDefaults()  # every route's sampling_params reads it
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
         raise ValueError(f"unknown tool_call_parser {tool_call_parser!r}; known: {', '.join(PARSERS)}")
     if allowed_hosts is not None:
@@ -107,7 +111,7 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_b
     @app.get("/server_info")
     async def server_info():  # a router names the replica's model from it (sglang-router's /server_info)
         return {"served_model_name": state.model_name, "max_model_len": state.max_model_len,
-                "version": jaxserve.__version__}
+                "version": jaxserve.__version__, **state.sampling_defaults.server_info()}
 
     @app.get("/v1/models")
     async def models():
@@ -145,7 +149,8 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_b
         constraint = requested_constraint(body)
         if constraint is not None:
             await compile_constraint(state, constraint)
-        params = edge.sampling_params(body, body.max_tokens, body.logprobs, constraint and constraint.params)
+        params = edge.sampling_params(body, body.max_tokens, body.logprobs, constraint and constraint.params,
+                                      defaults=state.sampling_defaults)
         prompts = await edge.completion_prompts(state, body.prompt, body.n)
         for ids in prompts:
             edge.check_context(state, len(ids), body.max_tokens, "prompt")
@@ -162,7 +167,8 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_b
         constraint = await chat_constraint(state, body, calling)
         params = edge.sampling_params(body, max_tokens, num_top, constraint and constraint.params,
                                       show_special_tokens=bool(calling and calling.parser
-                                                               and calling.parser.show_special_tokens))
+                                                               and calling.parser.show_special_tokens),
+                                      defaults=state.sampling_defaults)
         ids = await edge.chat_prompt_ids(state, body.messages, body.add_generation_prompt,
                                          body.continue_final_message, calling and calling.tools)
         edge.check_context(state, len(ids), max_tokens, "messages")

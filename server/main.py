@@ -34,7 +34,9 @@ def serve(args: argparse.Namespace) -> None:
 
     from jaxserve.core.engine import LLMEngine
     from jaxserve.config.engine_config import engine_config_from_args
+    from jaxserve.config.generation_config import resolve_sampling_defaults
     from jaxserve.core.engine_loop import EngineLoop
+    from jaxserve.weights import default_model_path
     from server.app import check_allowed_hosts, create_app
     from server.draining import DrainingServer
 
@@ -44,7 +46,10 @@ def serve(args: argparse.Namespace) -> None:
     check_allowed_hosts(args.allowed_hosts or [])
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the format the model writes calls in)")
-    engine, warmup = LLMEngine.from_config(args.model, engine_config_from_args(args))
+    engine_cfg = engine_config_from_args(args)
+    sampling_defaults = resolve_sampling_defaults(engine_cfg.generation_config, engine_cfg.override_generation_config,
+                                                  args.model or default_model_path())  # a bad file fails here
+    engine, warmup = LLMEngine.from_config(args.model, engine_cfg)
     if chat_template is not None:
         engine.tokenizer.chat_template = chat_template
     engine_loop = EngineLoop(engine, iteration_timeout_s=args.engine_iteration_timeout_s).start()
@@ -56,7 +61,7 @@ def serve(args: argparse.Namespace) -> None:
     app = create_app(engine_loop, name, api_key=api_key, max_queued_requests=args.max_queued_requests,
                      max_request_body_bytes=args.max_request_body_bytes, chat_page=args.chat_page,
                      tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                     allowed_hosts=args.allowed_hosts)
+                     allowed_hosts=args.allowed_hosts, sampling_defaults=sampling_defaults)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from jaxserve.config.generation_config import SamplingDefaults
 from jaxserve.errors import InvalidParameter
 from jaxserve.config.sampling_params import SamplingParams
 from jaxserve.config.sampling_params import StructuredOutputsParams
@@ -125,10 +126,13 @@ def check_context(state: ServerState, num_prompt: int, max_tokens: int | None, p
 
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
                     structured_outputs: StructuredOutputsParams | None = None,
-                    show_special_tokens: bool = False) -> SamplingParams:
+                    show_special_tokens: bool = False, defaults: SamplingDefaults | None = None) -> SamplingParams:
     """The request's sampling fields as `SamplingParams`; their limits (counts of stop strings and
     logit_bias entries included) are checked there, and token ids by the engine at submission.
-    `show_special_tokens`: a tool-call parser needs its markers, which are special tokens, in the text."""
+    `show_special_tokens`: a tool-call parser needs its markers, which are special tokens, in the text.
+    `defaults`: what the fields the request leaves out take (the server's `state.sampling_defaults`, from
+    the model's generation config; None: neutral values)."""
+    defaults = defaults or SamplingDefaults()
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
     bias = {}
@@ -139,12 +143,12 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
             raise APIError(400, f"logit_bias keys must be token ids, got {key[:40]!r}", "logit_bias") from None
     try:
         params = SamplingParams(
-            n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
-            min_p=body.min_p or 0.0, presence_penalty=body.presence_penalty or 0.0,
+            n=body.n, temperature=defaults.get("temperature", body.temperature),
+            top_p=defaults.get("top_p", body.top_p), top_k=defaults.get("top_k", body.top_k),
+            min_p=defaults.get("min_p", body.min_p), presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-            seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop,
+            repetition_penalty=defaults.get("repetition_penalty", body.repetition_penalty),
+            seed=body.seed, max_tokens=defaults.max_tokens(max_tokens), min_tokens=body.min_tokens, stop=body.stop,
             stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos, logprobs=logprobs,
             logit_bias=bias or None, skip_special_tokens=body.skip_special_tokens and not show_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output, structured_outputs=structured_outputs,

@@ -20,6 +20,7 @@ import dataclasses
 import re
 from typing import Any, Callable
 
+from jaxserve.config.generation_config import check_generation_config, normalize_override, parse_override_flag
 from jaxserve.config.speculative import SpeculativeConfig
 
 
@@ -182,6 +183,15 @@ class EngineConfig:
               "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5} (prompt lookup) or {\"method\": \"draft_model\", "
               "\"model\": DIR, \"num_speculative_tokens\": 4}; \"disable_by_batch_size\": N turns it off in steps "
               "of more than N sequences (default: off)", parse=_parse_speculative_config)
+    generation_config: str = setting(
+        "auto", "where the sampling defaults of requests come from (for the fields a request leaves out): auto: the "
+                "model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, and "
+                "max_new_tokens as max_tokens), for a GGUF file jaxserve's table of the models it ships; vllm: "
+                "none (neutral defaults); a folder: its generation_config.json")
+    override_generation_config: str | dict | None = setting(
+        None, "sampling defaults over the generation config's, as a JSON object of its fields, e.g. "
+              "'{\"temperature\": 0.5}'; its max_new_tokens also caps every request's max_tokens",
+        parse=parse_override_flag)
     # Tests, debugging and tuning only: not on the command line.
     forbid_compilation_after_warmup: bool = setting(False, "any XLA compilation after warm-up raises", flag=False)
     min_prefill_bucket: int = setting(16, "the smallest token-count bucket of prompt steps", flag=False)
@@ -197,6 +207,8 @@ class EngineConfig:
                 raise ValueError(message)
 
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        object.__setattr__(self, "override_generation_config", normalize_override(self.override_generation_config))
+        check_generation_config(self.generation_config)
         check(not (self.speculative_config and self.async_scheduling),
               "speculative decoding runs with synchronous scheduling: async_scheduling must be off (or unset) "
               "with speculative_config")
