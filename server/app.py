@@ -30,6 +30,7 @@ from server.admission import ServerState, Submission, submit
 from server.errors import APIError, APIKeyMiddleware, BodySizeLimitMiddleware, error_response, install_error_handlers
 from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from server.responses import ChatFormat, ChoiceFormat, CompletionFormat, whole_response
+from server.responses_api import responses_router
 from server.streaming import collect, sse_response
 from server.structured import compile_constraint, requested_constraint
 from server.tool_parsers import PARSERS
@@ -175,6 +176,7 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_b
         fmt = ChatFormat(state.tokenizer, body.n, num_top, calling)
         return await _generate(state, raw, body, [ids], params, fmt)
 
+    app.include_router(responses_router(state, tool_call_parser))  # /v1/responses: responses_api.py
     return app
 
 

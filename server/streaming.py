@@ -119,6 +119,11 @@ def sse_response(state: ServerState, submission: Submission, fmt: ChoiceFormat, 
     return _SubmissionResponse(_sse_body(state, submission, fmt, prompts, include_usage), submission)
 
 
+def submission_stream(body: AsyncIterator[str], submission: Submission) -> StreamingResponse:
+    """An SSE body of another shape over a submission (the Responses API's events), closed as sse_response's."""
+    return _SubmissionResponse(body, submission)
+
+
 async def _sse_body(state: ServerState, submission: Submission, fmt: ChoiceFormat, prompts: list[list[int]],
                     include_usage: bool) -> AsyncIterator[str]:
     rid, created = new_id(fmt.id_prefix), int(time.time())
