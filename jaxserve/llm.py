@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from jaxserve.config.engine_config import engine_config_from_kwargs
 from jaxserve.config.generation_config import SamplingDefaults, resolve_sampling_defaults
 from jaxserve.core.engine import LLMEngine
-from jaxserve.core.request import Request
+from jaxserve.core.request import Logprob, Request
 from jaxserve.config.sampling_params import SamplingParams
 from jaxserve.weights import default_model_path
 
@@ -43,6 +43,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    # When SamplingParams.prompt_logprobs is set (vLLM's shape): per prompt token, None for the first, then
+    # {token_id: Logprob(logprob, rank, decoded_token)}, the prompt's own token first, then the top ones.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class LLM:
@@ -94,7 +97,7 @@ class LLM:
         for request in requests:
             self.engine.add_request(request)
         self._run(requests, use_tqdm)
-        return [self._output(group, text) for group, (text, _) in zip(groups, encoded)]
+        return [self._output(group, text, self.tokenizer) for group, (text, _) in zip(groups, encoded)]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
@@ -160,10 +163,21 @@ class LLM:
                         bar.update(1)
 
     @staticmethod
-    def _output(group: list[Request], prompt: str | None) -> RequestOutput:
+    def _output(group: list[Request], prompt: str | None, tokenizer=None) -> RequestOutput:
         completions = [
             CompletionOutput(i, r.output_text, list(r.output_token_ids), r.finish_reason, r.stop_reason,
                              r.logprobs if r.sampling_params.logprobs is not None else None)
             for i, r in enumerate(group)
         ]
-        return RequestOutput(group[0].request_id, prompt, group[0].prompt_token_ids, completions)
+        return RequestOutput(group[0].request_id, prompt, group[0].prompt_token_ids, completions,
+                             prompt_logprobs=decoded_prompt_logprobs(group[0].prompt_logprobs, tokenizer))
+
+
+def decoded_prompt_logprobs(entries: list[dict[int, Logprob] | None] | None, tokenizer
+                            ) -> list[dict[int, Logprob] | None] | None:
+    """The engine's prompt logprobs with each token's text (vLLM decodes each token on its own)."""
+    if entries is None:
+        return None
+    decode = (lambda token: tokenizer.decode([token])) if tokenizer is not None else (lambda token: None)  # noqa: E731
+    return [None if entry is None else {token: dataclasses.replace(lp, decoded_token=decode(token))
+                                        for token, lp in entry.items()} for entry in entries]

@@ -30,6 +30,7 @@ from jaxserve.runner.resolve import ResolvedConfig, resolve_config
 from jaxserve.parallel.tensor_parallel import request_cpu_devices
 from jaxserve.runner.page_pool import PagePool
 from jaxserve.core.output_processor import update_requests
+from jaxserve.core.prompt_logprobs import build_job, read_job, wants_prompt_logprobs
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.config.sampling_params import SamplingParams
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
@@ -122,6 +123,8 @@ class LLMEngine:
 
     def warmup(self, show_progress: bool = True) -> dict:
         summary = self.runner.warmup(show_progress)
+        if self.cfg.nnodes == 1:  # a multi-host engine refuses prompt logprobs (validation.py)
+            summary["num_prompt_logprob_executables"] = self.runner.warmup_prompt_logprobs(show_progress)
         if hasattr(self.proposer, "warmup"):  # a draft model's buckets
             summary["num_draft_executables"] = self.proposer.warmup(show_progress)
         self._compilations_after_warmup = num_compilations()
@@ -143,9 +146,11 @@ class LLMEngine:
             request_id = f"req-{next(self._ids)}" if request_id is None else request_id
             seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         seed = (seed + sample_index * 0x9E3779B9) % 2**32  # n > 1: each sample its own stream
-        check_sampling_params(params, self.model_cfg.vocab_size)  # after the draws: a refused request uses them up
+        check_sampling_params(params, self.model_cfg.vocab_size, self.cfg)  # after the draws: a refused request uses them up
         request = Request(request_id, prompt, params, seed=seed, max_tokens=max_tokens,
                           eos_token_ids=self.model_cfg.eos_token_ids, priority=priority)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * len(prompt)
         if self.tokenizer is not None:
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, params, prompt)
         if params.structured_outputs is not None:
@@ -226,11 +231,15 @@ class LLMEngine:
         drafts = self._propose(output)
         seqs, rows = scheduled_seqs(output, drafts, self.req_indices, failed)
         with_logprobs = any(r.sampling_params.logprobs is not None for r, _ in output.scheduled)
-        kind, bucket, inputs = self.runner.prepare(seqs, on_row_error=row_failure_recorder(output, rows, failed))
+        with_prompt_logprobs = wants_prompt_logprobs(output)  # its rows need the prefill step's output
+        kind, bucket, inputs = self.runner.prepare(seqs, on_row_error=row_failure_recorder(output, rows, failed),
+                                                   prefill=with_prompt_logprobs)
+        job = build_job(output, [own[0] for own in rows], inputs.md.cu_q_lens,
+                        self.runner.prompt_logprob_width(bucket)) if with_prompt_logprobs else None
         clock = self._timed("inputs", clock)
         fill_token_bitmask(self.grammars, output, [own[0] for own in rows], inputs, failed)
         self._timed("grammar", clock)
-        return PreparedStep(output, kind, bucket, inputs, rows, drafts, with_logprobs, failed)
+        return PreparedStep(output, kind, bucket, inputs, rows, drafts, with_logprobs, failed, job)
 
     def _propose(self, output: SchedulerOutput) -> list[list[int]]:
         """Draft tokens for each scheduled request (`step_prep.propose_drafts`)."""
@@ -241,17 +250,23 @@ class LLMEngine:
         the requests that failed preparing it (their rows ran inert; the pages were written as scheduled)."""
         clock = time.perf_counter()
         sampled = self.runner.launch(prepared.kind, prepared.bucket, prepared.inputs)
+        prompt_logprobs = None
+        if prepared.prompt_logprobs is not None:  # over this step's output, before another step replaces it
+            prompt_logprobs = (prepared.prompt_logprobs, self.runner.launch_prompt_logprobs(prepared.prompt_logprobs.job))
         self._timed("launch", clock)
         self.scheduler.advance(prepared.output)
         for request, message in prepared.failed.items():
             self.scheduler.fail(request, message)
             self.requests.pop(request.request_id, None)
-        return LaunchedStep(prepared.output, sampled, prepared.with_logprobs, prepared.rows, prepared.drafts)
+        return LaunchedStep(prepared.output, sampled, prepared.with_logprobs, prepared.rows, prepared.drafts,
+                            prompt_logprobs)
 
     def _read(self, launched: LaunchedStep) -> list[Request]:
         """Reads a launched step's tokens (waiting for them), updates its requests and detokenizes."""
         clock = time.perf_counter()
         sampled = self.runner.fetch(launched.sampled, launched.num_rows, launched.with_logprobs)
+        if launched.prompt_logprobs is not None:  # in the requests before their first token is delivered
+            read_job(*launched.prompt_logprobs)
         clock = self._timed("wait", clock)
         updated = update_requests(self.scheduler, launched, sampled, self.spec_stats)
         for request in updated:

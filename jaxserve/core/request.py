@@ -13,6 +13,16 @@ from jaxserve.config.sampling_params import SamplingParams
 from jaxserve.core.structured_output import GrammarMatcher
 
 
+@dataclasses.dataclass
+class Logprob:
+    """vLLM's: a token's logprob, its rank in the vocabulary (1: the most likely) and its text (filled in
+    by whoever shows it: the engine leaves it None)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -54,6 +64,11 @@ class Request:
     error: str | None = None  # why it failed, with status FINISHED_ERROR
     # Per output token, when sampling_params.logprobs is set: {token_id: logprob}, sampled token first.
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    # When sampling_params.prompt_logprobs is set, per prompt token: None for the first (nothing precedes
+    # it) and for those not computed yet, else {token_id: Logprob}, the prompt's token first, then the top
+    # alternatives (core/prompt_logprobs.py); num_prompt_logprobs counts the computed ones.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_prompt_logprobs: int = 0
     detokenizer: object | None = None  # IncrementalDetokenizer, set by the engine
     grammar: GrammarMatcher | None = None  # set by the engine for structured output
 
@@ -69,6 +84,11 @@ class Request:
             return ()
         eos = () if params.ignore_eos else self.eos_token_ids
         return tuple(dict.fromkeys([*eos, *params.stop_token_ids]))
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and some are not computed yet."""
+        return self.prompt_logprobs is not None and self.num_prompt_logprobs < len(self.prompt_token_ids) - 1
 
     @property
     def is_running(self) -> bool:

@@ -209,6 +209,8 @@ class Scheduler:
         """Takes cached prefix pages and new pages for the first chunk; False (no change) if out of pages."""
         request.page_hashes = self.pool.page_hashes_of(request.all_token_ids, request.page_hashes)
         max_cached_pages = (request.num_tokens - 1) // self.pool.page_size  # leave >= 1 token to compute
+        if request.needs_prompt_logprobs:  # each prompt position must be computed (vLLM V1 does the same)
+            max_cached_pages = 0
         counters = self.pool.num_queried_tokens, self.pool.num_hit_tokens
         cached = self.pool.lookup(request.page_hashes, max_cached_pages)
         request.page_table, request.num_computed_tokens = cached, len(cached) * self.pool.page_size

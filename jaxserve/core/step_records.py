@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.core.prompt_logprobs import PromptLogprobJob
 from jaxserve.core.request import Request
 from jaxserve.core.scheduler import SchedulerOutput
-from jaxserve.ops.sampling import SamplerOutput
+from jaxserve.ops.sampling import PromptLogprobs, SamplerOutput
 from jaxserve.runner.step_inputs import StepInputs
 
 STEP_PHASES = ("schedule", "inputs", "grammar", "launch", "wait", "update")
@@ -36,6 +37,7 @@ class PreparedStep:
     # Requests whose part of the step failed, with the message for their client. Their rows run as inert
     # greedy rows, so the K/V of their pages (maybe already in the prefix cache) are written as scheduled.
     failed: dict[Request, str]
+    prompt_logprobs: PromptLogprobJob | None = None  # its rows whose prompt logprobs requests want
 
 
 @dataclasses.dataclass
@@ -47,6 +49,7 @@ class LaunchedStep:
     with_logprobs: bool
     rows: list[list[int]]  # as in its PreparedStep
     drafts: list[list[int]]
+    prompt_logprobs: tuple[PromptLogprobJob, PromptLogprobs] | None = None  # the job and its (device) output
 
     @property
     def num_rows(self) -> int:

@@ -2,7 +2,8 @@
 
 It owns the checks `LLMEngine.make_request` runs before it builds a `Request`: the prompt (not empty,
 inside the vocabulary, shorter than max_model_len), the priority (only under priority scheduling) and
-the token ids the sampling params name (stop_token_ids, logit_bias). Each failure is an
+the token ids the sampling params name (stop_token_ids, logit_bias) and what the engine cannot serve
+(prompt logprobs on a multi-host engine). Each failure is an
 `InvalidParameter` naming the field at fault.
 
 What this module does not own: the ranges `SamplingParams` checks itself (config/sampling_params.py),
@@ -36,12 +37,15 @@ def checked_prompt(prompt_token_ids: list[int], priority: int, cfg: EngineConfig
     return prompt
 
 
-def check_sampling_params(params: SamplingParams, vocab_size: int) -> None:
-    """The token ids `params` names are inside the vocabulary, and it asks for nothing unsupported."""
+def check_sampling_params(params: SamplingParams, vocab_size: int, cfg: EngineConfig | None = None) -> None:
+    """The token ids `params` names are inside the vocabulary, and it asks for nothing the engine (`cfg`)
+    does not support."""
     for param, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise InvalidParameter(param, f"token ids {bad[:5]} in {param} are outside the vocabulary "
                                           f"[0, {vocab_size})")
-    if params.prompt_logprobs is not None:
-        raise InvalidParameter("prompt_logprobs", "prompt_logprobs is not supported yet")
+    if params.prompt_logprobs is not None and cfg is not None and cfg.nnodes > 1:
+        # their executable would have to run on every host of the group, and followers run steps only
+        raise InvalidParameter("prompt_logprobs", "prompt_logprobs is not supported on a multi-host engine "
+                                                  f"(nnodes={cfg.nnodes})")

@@ -199,8 +199,11 @@ def forward(
     attention_backend: str = "xla",
     decode_only: bool = False,
     axis: str | None = None,
+    return_hidden: bool = False,
 ):
-    """Runs the model over a ragged batch of tokens; returns (logits [S, vocab] f32, kv_cache).
+    """Runs the model over a ragged batch of tokens; returns (logits [S, vocab] f32, kv_cache), and with
+    return_hidden the last layer's output of every token [T, hidden] too (before the final norm: what
+    `lm_head_logits` takes; prompt logprobs read it).
 
     params are in `serving_params`' layout; the layers are unrolled (each reads its own weight
     arrays in place). attention_backend is a resolved one (see attention_backends.py); decode_only
@@ -228,7 +231,16 @@ def forward(
             decode_only=decode_only, axis=axis,
         )
 
-    h = rms_norm(h[logits_indices], params["final_norm"], cfg.rms_norm_eps)
+    logits = lm_head_logits(params, cfg, h[logits_indices])
+    if return_hidden:
+        return logits, (k_pages, v_pages), h
+    return logits, (k_pages, v_pages)
+
+
+def lm_head_logits(params, cfg: ModelConfig, h):
+    """The final norm and the LM head of last-layer outputs h [N, hidden]: logits [N, vocab] f32 (under
+    tensor parallelism, this device's slice of the vocabulary)."""
+    h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     if isinstance(params.get("lm_head"), (PackedWeight, QuantizedWeight)):
         logits = matmul(h, params["lm_head"])
     else:
@@ -236,7 +248,7 @@ def forward(
         logits = jnp.dot(h, lm_head, preferred_element_type=jnp.float32)
     if cfg.final_logit_softcap:
         logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
-    return logits, (k_pages, v_pages)
+    return logits
 
 
 def _embed(params, token_ids, axis: str | None):

@@ -46,6 +46,15 @@ class SamplingTensors(NamedTuple):
     token_bitmask: jax.Array
 
 
+class PromptLogprobs(NamedTuple):
+    """Per row: the logprob and rank of a given (target) token, and the top alternatives."""
+
+    logprobs: jax.Array  # [R] f32, of the target token
+    ranks: jax.Array  # [R] int32: 1 + the tokens more likely than the target (vLLM's rank)
+    top_ids: jax.Array  # [R, MAX_LOGPROBS] int32
+    top_logprobs: jax.Array  # [R, MAX_LOGPROBS] f32
+
+
 class SamplerOutput(NamedTuple):
     token_ids: jax.Array  # [S] int32
     logprobs: jax.Array  # [S] f32, of the sampled token (zeros unless some row wanted logprobs)
@@ -249,3 +258,13 @@ def sample(logits, t: SamplingTensors, branches: bool = True) -> SamplerOutput:
     token_logprobs, top_ids, top_logprobs = choose(branches, jnp.any(t.want_logprobs), logprobs,
                                                    lambda: no_logprobs(num_seqs, logits.dtype))
     return SamplerOutput(tokens, token_logprobs, top_ids, top_logprobs)
+
+
+def target_logprobs(logits, targets) -> PromptLogprobs:
+    """The log-softmax of logits [R, vocab] f32 at targets [R] (their rank counted as vLLM does: the
+    tokens whose logprob is >= the target's), and each row's top MAX_LOGPROBS."""
+    logprobs = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    target = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)  # [R, 1]
+    ranks = (logprobs >= target).sum(axis=-1).astype(jnp.int32)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+    return PromptLogprobs(target[:, 0], ranks, top_ids.astype(jnp.int32), top_logprobs)

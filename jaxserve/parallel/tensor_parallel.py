@@ -127,31 +127,35 @@ class TensorParallel:
 
     def forward(self, params, kv_cache, inputs, **forward_kwargs):
         """`models.transformer.forward` split over the mesh, for step inputs (model_runner.StepInputs):
-        (logits [S, padded vocab] split by vocabulary, kv_cache). Each device runs forward on its share."""
+        (logits [S, padded vocab] split by vocabulary, kv_cache), and with return_hidden the last layer's
+        output [T, hidden] (the same on every device). Each device runs forward on its share."""
 
         def on_each_device(params, kv_cache, inputs):
             return forward(params, self.device_cfg, inputs.token_ids, inputs.positions, kv_cache, inputs.md,
                            inputs.logits_indices, axis=MODEL_AXIS, **forward_kwargs)
 
         kv_specs = (KV_SPEC, KV_SPEC)
+        out_specs = (VOCAB_SPEC, kv_specs) + ((P(),) if forward_kwargs.get("return_hidden") else ())
         return jax.shard_map(on_each_device, mesh=self.mesh, in_specs=(self.param_specs, kv_specs, P()),
-                             out_specs=(VOCAB_SPEC, kv_specs), check_vma=False)(params, kv_cache, inputs)
+                             out_specs=out_specs, check_vma=False)(params, kv_cache, inputs)
 
     def step(self, params, kv_cache, inputs, *, sampler_branches: bool = True, **forward_kwargs):
         """model_runner's step on the mesh: `forward`, then each device samples from its slice of the
         vocabulary (`vocab_sharded_sample`); the sampled tokens are the same on every device."""
-        logits, kv_cache = self.forward(params, kv_cache, inputs, **forward_kwargs)
+        logits, kv_cache, *hidden = self.forward(params, kv_cache, inputs, **forward_kwargs)
         sample_on_each = functools.partial(vocab_sharded_sample, vocab_size=self.model_cfg.vocab_size,
                                            branches=sampler_branches)
         sampled = jax.shard_map(sample_on_each, mesh=self.mesh, in_specs=(VOCAB_SPEC, P()), out_specs=P(),
                                 check_vma=False)(logits, inputs.sampling)
-        return sampled, kv_cache
+        return sampled, kv_cache, *hidden
 
-    def jit(self, step):
+    def jit(self, step, with_hidden: bool = False):
         """jax.jit for `step`, with the shardings serving uses (warm-up compiles exactly these, so a step
-        never meets an input placed differently), the KV pages and the last sampled tokens donated."""
+        never meets an input placed differently), the KV pages and the last sampled tokens donated.
+        with_hidden: the step hands out the last layer's output too (replicated)."""
         kv, replicated = shardings(self.mesh, (KV_SPEC, KV_SPEC)), NamedSharding(self.mesh, P())
-        return jax.jit(step, donate_argnums=(1, 2), out_shardings=(replicated, kv, replicated),
+        outputs = (replicated, kv, replicated) + (replicated,) * with_hidden
+        return jax.jit(step, donate_argnums=(1, 2), out_shardings=outputs,
                        in_shardings=(shardings(self.mesh, self.param_specs), kv, replicated, replicated))
 
     def jit_replicated(self, fn):

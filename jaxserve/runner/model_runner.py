@@ -29,9 +29,9 @@ from jaxserve.config.device_defaults import MemoryUse
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.config.model_config import ModelConfig
 from jaxserve.models.transformer import forward, init_kv_cache, rope_position_tables, serving_params
-from jaxserve.ops.sampling import SamplerOutput, sample
+from jaxserve.ops.sampling import PromptLogprobs, SamplerOutput, sample
 from jaxserve.parallel.tensor_parallel import TensorParallel
-from jaxserve.runner import compilation, device_batch, step_inputs
+from jaxserve.runner import compilation, device_batch, prompt_logprobs, step_inputs
 from jaxserve.runner.device_batch import BatchState
 from jaxserve.runner.resolve import ResolvedConfig, resolve_config, size_pool
 from jaxserve.runner.step_inputs import ScheduledSeq, StepInputBuilder, StepInputs
@@ -49,12 +49,14 @@ def _bytes_on_first_device(tree) -> int:
 
 
 def _step(params, kv_cache, inputs: StepInputs, *, cfg: ModelConfig, q_tile: int, kv_tile: int,
-          attention_backend: str, decode_only: bool = False, sampler_branches: bool = True):
-    logits, kv_cache = forward(
+          attention_backend: str, decode_only: bool = False, sampler_branches: bool = True,
+          return_hidden: bool = False):
+    logits, kv_cache, *hidden = forward(
         params, cfg, inputs.token_ids, inputs.positions, kv_cache, inputs.md, inputs.logits_indices,
         q_tile=q_tile, kv_tile=kv_tile, attention_backend=attention_backend, decode_only=decode_only,
+        return_hidden=return_hidden,
     )
-    return sample(logits, inputs.sampling, sampler_branches), kv_cache
+    return sample(logits, inputs.sampling, sampler_branches), kv_cache, *hidden
 
 
 def _batch_step(params, kv_cache, state: BatchState, packed: tuple[jax.Array, jax.Array], *, step: Callable):
@@ -62,16 +64,16 @@ def _batch_step(params, kv_cache, state: BatchState, packed: tuple[jax.Array, ja
     sampling settings come from its row there (its req_index), a token whose `prev_rows` entry is r >= 0
     is the one row r of the previous step sampled (asynchronous scheduling: the host has not read it),
     and the sampled tokens go back into the state. `packed`: the step's inputs as `step_inputs.pack` gives them. Returns
-    (sampler output, kv_cache, state)."""
+    (sampler output, kv_cache, state), and the last layer's output [T, hidden] where `step` gives it."""
     inputs = step_inputs.unpack(*packed)
     token_ids = jnp.where(inputs.prev_rows >= 0, state.last_tokens[jnp.maximum(inputs.prev_rows, 0)],
                           inputs.token_ids)
     block_tables, rows = device_batch.gather(state, inputs.req_indices, inputs.md.kv_lens)
-    sampled, kv_cache = step(params, kv_cache, inputs._replace(
+    sampled, kv_cache, *hidden = step(params, kv_cache, inputs._replace(
         token_ids=token_ids, md=inputs.md._replace(block_tables=block_tables), sampling=rows))
     state = device_batch.append_tokens(state, inputs.req_indices, inputs.md.kv_lens, inputs.samples,
                                        sampled.token_ids, rows)
-    return sampled, kv_cache, state
+    return sampled, kv_cache, state, *hidden
 
 
 class ModelRunner:
@@ -99,13 +101,18 @@ class ModelRunner:
         step = functools.partial(step, kv_tile=resolved.kv_tile, attention_backend=self.attention_backend,
                                  sampler_branches=resolved.sampler_branches)
         batched = lambda **kwargs: functools.partial(_batch_step, step=functools.partial(step, **kwargs))  # noqa: E731
-        self._prefill = jit(batched(q_tile=self.cfg.prefill_query_tile))
+        # A prefill step also hands out its last layer's output, which prompt logprobs read (prompt_logprobs.py)
+        jit_prefill = functools.partial(self.parallel.jit, with_hidden=True) if self.parallel else jit
+        self._prefill = jit_prefill(batched(q_tile=self.cfg.prefill_query_tile, return_hidden=True))
         self._decode = jit(batched(q_tile=1, decode_only=True))
         self._write_rows = jax.jit(device_batch.write_rows, donate_argnums=0)
         if self.parallel:
             self._write_rows = self.parallel.jit_replicated(device_batch.write_rows)
         self._row_writers: dict[int, object] = {}  # per update bucket
         self._executables: dict[tuple[str, int], object] = {}
+        self._prompt_logprobs = prompt_logprobs.make_fn(model_cfg, self.parallel)
+        self._prompt_logprob_executables: dict[int, object] = {}  # per prefill bucket
+        self._hidden: tuple[int, jax.Array] | None = None  # the last prefill step's bucket and output
         self.on_launch: Callable[[str, int, StepInputs], None] | None = None  # multihost.Leader.send_step
         self.inputs = StepInputBuilder(model_cfg, self.cfg)
         if resolved.num_pages is None:  # the pool takes what the weights and the largest step leave
@@ -250,14 +257,15 @@ class ModelRunner:
         then read it with `fetch`."""
         return self.launch(*self.prepare(seqs, on_row_error))
 
-    def prepare(self, seqs: list[ScheduledSeq], on_row_error: Callable[[int, Exception], None] | None = None
-                ) -> tuple[str, int, StepInputs]:
+    def prepare(self, seqs: list[ScheduledSeq], on_row_error: Callable[[int, Exception], None] | None = None,
+                prefill: bool = False) -> tuple[str, int, StepInputs]:
         """The entry point ("prefill" or "decode"), bucket and padded host inputs of one step.
         on_row_error: if given, a sequence whose sampling row cannot be built runs as an inert greedy row
-        and is reported (its index and the error) instead of failing the step."""
+        and is reported (its index and the error) instead of failing the step. prefill: run it as a
+        prefill step even if every sequence has one token (prompt logprobs read its output)."""
         assert seqs, "nothing scheduled"
         num_tokens = sum(len(s.token_ids) for s in seqs)
-        if all(len(s.token_ids) == 1 for s in seqs) and len(seqs) <= self.cfg.max_num_seqs:
+        if not prefill and all(len(s.token_ids) == 1 for s in seqs) and len(seqs) <= self.cfg.max_num_seqs:
             kind, bucket = "decode", pick_bucket(self.decode_buckets, len(seqs))
             num_seqs = bucket
         else:
@@ -276,9 +284,36 @@ class ModelRunner:
         if inputs.row_updates is not None:
             writer = self._row_writers[len(inputs.row_updates.req_indices)]
             self.batch_state = writer(self.batch_state, inputs.row_updates)
-        output, self.kv_cache, self.batch_state = self._executables[kind, bucket](
+        output, self.kv_cache, self.batch_state, *hidden = self._executables[kind, bucket](
             self.params, self.kv_cache, self.batch_state, step_inputs.pack(inputs))
+        self._hidden = (bucket, hidden[0]) if hidden else None
         return output
+
+    # -- prompt logprobs (prompt_logprobs.py) -------------------------------------------------------
+
+    prompt_logprob_width = staticmethod(prompt_logprobs.job_width)  # of a prefill bucket's job
+
+    def warmup_prompt_logprobs(self, show_progress: bool = True) -> int:
+        """Compiles the prompt-logprob executable of every prefill bucket; returns how many there are."""
+        self.warmup(show_progress=False)  # nothing left to do once warm-up ran: the prefill steps' outputs
+        todo = [b for b in self.prefill_buckets if b not in self._prompt_logprob_executables]
+        self._prompt_logprob_executables |= compilation.compile_all(self._lower_prompt_logprobs, todo,
+                                                                    "compiling prompt logprobs", show_progress)
+        return len(self._prompt_logprob_executables)
+
+    def _lower_prompt_logprobs(self, bucket: int):
+        hidden = self._executables["prefill", bucket].out_info[3]  # the prefill step's last layer output
+        float32_on_gpu = self.device.platform in ("gpu", "cuda") and self.cfg.dtype == "float32"
+        return prompt_logprobs.lower(self._prompt_logprobs, self.params, hidden, bucket, float32_on_gpu)
+
+    def launch_prompt_logprobs(self, job: np.ndarray) -> PromptLogprobs:
+        """Launches the prompt-logprob executable over the last launched step, a prefill step (the job's
+        rows are its token rows); returns its (device) output without waiting."""
+        assert self._hidden is not None, "prompt logprobs need a prefill step"
+        bucket, hidden = self._hidden
+        if bucket not in self._prompt_logprob_executables:
+            self.warmup_prompt_logprobs(show_progress=False)  # only before warm-up ran
+        return self._prompt_logprob_executables[bucket](self.params, hidden, job)
 
     @staticmethod
     def fetch(output: SamplerOutput, num_seqs: int, with_logprobs: bool) -> SamplerOutput:
