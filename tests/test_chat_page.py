@@ -9,6 +9,7 @@ The fast tests need no browser and no model.
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 import re
 import subprocess
@@ -17,7 +18,9 @@ import tomllib
 from html.parser import HTMLParser
 from pathlib import Path
 from types import SimpleNamespace
+from urllib.parse import urlparse
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -180,6 +183,74 @@ def _last_reply(page):
     return page.locator(".message.assistant").last
 
 
+# A reply as the server streams it, for the page served without a server (`_serve_without_a_server`).
+CANNED_REPLY = ('data: {"choices": [{"index": 0, "delta": {"content": "Paris."}, "finish_reason": null}]}\n\n'
+                'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], '
+                '"usage": {"completion_tokens": 2}}\n\ndata: [DONE]\n\n')
+FAKE_ORIGIN = "http://chat.test"
+SAMPLING_FIELDS = ("temperature", "top_p", "max_tokens", "seed")
+
+
+def _serve_without_a_server(page, server_info: dict) -> list[dict]:
+    """Answers the page's requests in the browser (Playwright's routing): its files from the package, a
+    model list, `server_info`, and a canned reply to each chat request, whose bodies it returns."""
+    sent = []
+
+    def answer(route):
+        path = urlparse(route.request.url).path
+        if path == "/":
+            route.fulfill(path=STATIC_DIR / "index.html")
+        elif path.startswith("/static/"):
+            route.fulfill(path=STATIC_DIR.parent / path.lstrip("/"))
+        elif path == "/v1/models":
+            route.fulfill(json={"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+        elif path == "/server_info":
+            route.fulfill(json=server_info)
+        elif path == "/v1/chat/completions":
+            sent.append(json.loads(route.request.post_data))
+            route.fulfill(body=CANNED_REPLY, content_type="text/event-stream")
+        else:
+            route.fulfill(status=404)
+
+    page.route(FAKE_ORIGIN + "/**", answer)
+    return sent
+
+
+def test_the_page_sends_only_the_settings_the_user_set(browser):
+    """Issue 38: the settings start empty, with the server's defaults (/server_info) as placeholders; a
+    box left empty (or emptied) is not sent, so the server's defaults, the model's, apply; a value typed
+    is. Settings the page saved when it filled in temperature 0.7 and top_p 0.95 itself lose those two."""
+    page = browser.new_page()
+    sent = _serve_without_a_server(page, {"served_model_name": "tiny",
+                                          "default_sampling_params": {"temperature": 0.2, "top_p": 0.9}})
+    page.goto(FAKE_ORIGIN + "/")
+    page.get_by_text("Ask tiny anything").wait_for()
+    page.wait_for_function("document.getElementById('temperature').placeholder === 'default: 0.2'")
+    assert [page.locator(f"#{box}").input_value() for box in ("temperature", "top-p", "max-tokens", "seed")] == [""] * 4
+    assert page.locator("#top-p").get_attribute("placeholder") == "default: 0.9"
+    assert page.locator("#max-tokens").get_attribute("placeholder") == "default: all that fits"
+
+    def ask_and_wait(text: str) -> dict:
+        _ask(page, text)
+        _last_reply(page).locator(".stats").wait_for()
+        return sent[-1]
+
+    assert not set(SAMPLING_FIELDS) & set(ask_and_wait("What is the capital of France?"))
+    _settings(page, temperature=0.5)
+    body = ask_and_wait("And of Italy?")
+    assert body["temperature"] == 0.5 and not {"top_p", "max_tokens", "seed"} & set(body)
+    _settings(page, temperature="")
+    assert "temperature" not in ask_and_wait("And of Spain?")
+
+    old = {"systemPrompt": "Be brief.", "temperature": "0.7", "topP": "0.95", "maxTokens": "64", "seed": ""}
+    page.evaluate("settings => localStorage.setItem('jaxserve-chat-settings', JSON.stringify(settings))", old)
+    page.reload()
+    page.get_by_text("Ask tiny anything").wait_for()
+    assert [page.locator(f"#{box}").input_value() for box in ("system-prompt", "temperature", "top-p", "max-tokens")] \
+        == ["Be brief.", "", "", "64"]
+    page.close()
+
+
 @pytest.mark.default_model
 def test_chat_in_a_browser(browser, server, artifacts):
     """One page through a conversation: Shift+Enter is a newline; the question streams 'Paris' in (the
@@ -269,9 +340,17 @@ def test_markdown_is_rendered_highlighted_and_inert(browser, server):
 @pytest.mark.default_model
 def test_with_an_api_key_the_page_asks_for_it(browser, artifacts):
     """A server started with --api-key: the page asks for the key, says when one is refused, and chats
-    once it has the right one (sent as a Bearer token)."""
-    with run_server([*SERVER_ARGS, "--api-key", API_KEY]) as srv:
+    once it has the right one (sent as a Bearer token).
+
+    Its first question goes at the server's defaults (issue 38): the page sends no sampling field, and
+    the model's (temperature 0.2, top_p 0.9, its card's) apply; the answer says Paris. At those defaults
+    the model starts "L'Étoile, la Marseillaise, ..." for about 3 seeds in 10 (29 of 41 seeds said Paris,
+    offline, float32), so the server's seed is fixed: its first request draws the same seed every run."""
+    with run_server([*SERVER_ARGS, "--api-key", API_KEY, "--seed", "0"]) as srv:
         page = browser.new_page(viewport={"width": 1100, "height": 800})
+        sent = []
+        page.on("request", lambda r: sent.append(json.loads(r.post_data))
+                if r.url.endswith("/v1/chat/completions") else None)
         page.goto(srv.url + "/")
         dialog = page.get_by_role("dialog", name="API key")
         dialog.wait_for()
@@ -283,10 +362,12 @@ def test_with_an_api_key_the_page_asks_for_it(browser, artifacts):
         page.get_by_role("button", name="Use this key").click()
         page.get_by_text("Ask SmolLM2-135M-Instruct anything").wait_for()
         assert not dialog.is_visible()
-        _settings(page, **{"temperature": 0, "max-tokens": 32})
         _ask(page, QUESTION)
         reply = _last_reply(page)
         reply.locator(".stats").wait_for(timeout=60_000)
+        assert len(sent) == 1 and not set(SAMPLING_FIELDS) & set(sent[0]), sent
         assert "Paris" in reply.locator(".body").inner_text()
+        assert httpx.get(srv.url + "/server_info", headers={"Authorization": f"Bearer {API_KEY}"}
+                         ).json()["default_sampling_params"] == {"temperature": 0.2, "top_p": 0.9}
         page.screenshot(path=artifacts / "api_key_answer.png")
         page.close()

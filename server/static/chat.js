@@ -5,9 +5,16 @@
 
 const SETTINGS_KEY = "jaxserve-chat-settings";
 const API_KEY_KEY = "jaxserve-api-key";
-const DEFAULT_SETTINGS = { systemPrompt: "", temperature: "0.7", topP: "0.95", maxTokens: "", seed: "" };
+// Every setting starts empty: an empty box is left out of the request, and the server applies its own
+// default (the model's, from its generation config), which the box's placeholder shows.
+const DEFAULT_SETTINGS = { systemPrompt: "", temperature: "", topP: "", maxTokens: "", seed: "" };
 const SETTING_INPUTS = { systemPrompt: "system-prompt", temperature: "temperature", topP: "top-p",
                          maxTokens: "max-tokens", seed: "seed" };
+const SETTINGS_VERSION = 2;  // 1 (unmarked): the page filled in temperature 0.7 and top_p 0.95 itself
+// The boxes whose placeholders show the server's defaults (/server_info), and what a request gets
+// where the server has none (vLLM's neutral values).
+const SERVER_DEFAULTS = { temperature: ["temperature", "1"], top_p: ["top-p", "1"],
+                          max_tokens: ["max-tokens", "all that fits"] };
 
 const $ = (id) => document.getElementById(id);
 const conversation = $("conversation");
@@ -129,12 +136,17 @@ function addError(article, message) {
 function loadSettings() {
   let saved = {};
   try { saved = JSON.parse(localStorage.getItem(SETTINGS_KEY) || "{}"); } catch { saved = {}; }
+  if (saved.version !== SETTINGS_VERSION && saved.temperature === "0.7" && saved.topP === "0.95") {
+    // The old page's own defaults, saved as if they were the user's: the server's apply instead.
+    delete saved.temperature;
+    delete saved.topP;
+  }
   const settings = { ...DEFAULT_SETTINGS, ...saved };
   for (const [name, id] of Object.entries(SETTING_INPUTS)) $(id).value = settings[name];
 }
 
 function saveSettings() {
-  const settings = {};
+  const settings = { version: SETTINGS_VERSION };
   for (const [name, id] of Object.entries(SETTING_INPUTS)) settings[name] = $(id).value;
   localStorage.setItem(SETTINGS_KEY, JSON.stringify(settings));
 }
@@ -342,6 +354,21 @@ async function loadModel() {
   $("model-name").textContent = chat.model || "";
   document.title = chat.model ? `${chat.model} · jaxserve chat` : "jaxserve chat";
   if (!chat.messages.length) showEmptyHint(readyHint());
+  loadServerDefaults();
+}
+
+// The placeholders of the sampling boxes: the defaults a request that leaves them out gets.
+async function loadServerDefaults() {
+  let defaults;
+  try {
+    const response = await fetch("server_info", { headers: headers() });
+    if (!response.ok) return;
+    defaults = (await response.json()).default_sampling_params;
+  } catch { return; }
+  if (!defaults) return;
+  for (const [field, [id, neutral]] of Object.entries(SERVER_DEFAULTS)) {
+    $(id).placeholder = `default: ${defaults[field] ?? neutral}`;
+  }
 }
 
 function askForKey(message) {
