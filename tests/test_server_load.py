@@ -252,7 +252,7 @@ def test_non_streaming_client_disconnect_aborts_the_request(load_server):
 
 OPERATIONS = [("GET", "/health"), ("GET", "/version"), ("GET", "/metrics"), ("GET", "/v1/models"),
               ("GET", "/server_info"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/completions"),
-              ("POST", "/v1/chat/completions")]
+              ("POST", "/v1/chat/completions"), ("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}")]
 
 
 @pytest.fixture(scope="module")
