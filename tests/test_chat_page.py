@@ -344,8 +344,9 @@ def test_with_an_api_key_the_page_asks_for_it(browser, artifacts):
 
     Its first question goes at the server's defaults (issue 38): the page sends no sampling field, and
     the model's (temperature 0.2, top_p 0.9, its card's) apply; the answer says Paris. At those defaults
-    the model starts "L'Étoile, la Marseillaise, ..." for about 3 seeds in 10 (29 of 41 seeds said Paris,
-    offline, float32), so the server's seed is fixed: its first request draws the same seed every run."""
+    the model starts "L'Étoile, la Marseillaise, ..." for about 3 seeds in 10 (29 of 41 said Paris in float32,
+    28 in bfloat16: benchmarks/results/default_model_card_defaults_paris.md), so the server's seed is fixed:
+    its first request draws the same seed every run, one that says Paris in both."""
     with run_server([*SERVER_ARGS, "--api-key", API_KEY, "--seed", "0"]) as srv:
         page = browser.new_page(viewport={"width": 1100, "height": 800})
         sent = []
