@@ -305,7 +305,8 @@ def test_input_that_is_not_unicode_is_400(http):
 # the OpenAI Agents SDK
 
 
-def test_agents_sdk_runs_an_agent_with_a_tool_to_completion(server):
+@pytest.mark.parametrize("streamed", [False, True])
+def test_agents_sdk_runs_an_agent_with_a_tool_to_completion(server, streamed):
     """Runner.run with the SDK's default Responses model: turn 1 must call the tool (tool_choice required, one
     call), turn 2 (tool_choice reset to auto) gets the call and its output back as input items and answers in
     the agent's output type, a schema short enough that even a random model's answer ends within the cap."""
@@ -329,9 +330,16 @@ def test_agents_sdk_runs_an_agent_with_a_tool_to_completion(server):
                       output_type=Verdict, model=OpenAIResponsesModel(model="tiny", openai_client=client),
                       model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0,
                                                    max_tokens=96))
-        return await Runner.run(agent, "Is it sunny in Paris?", max_turns=3)
+        if not streamed:
+            return await Runner.run(agent, "Is it sunny in Paris?", max_turns=3)
+        result = Runner.run_streamed(agent, "Is it sunny in Paris?", max_turns=3)
+        async for _ in result.stream_events():
+            pass
+        return result
 
     result = asyncio.run(run())
     assert len(calls) == 1 and calls[0] in ("Paris", "Tokyo")
     assert isinstance(result.final_output, Verdict)
     assert [r.usage.output_tokens > 0 for r in result.raw_responses] == [True, True]
+    assert [item.type for item in result.new_items] == ["tool_call_item", "tool_call_output_item",
+                                                        "message_output_item"]
