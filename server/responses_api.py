@@ -84,7 +84,8 @@ def responses_router(state: ServerState, tool_call_parser: str | None) -> APIRou
             constraint = await chat_constraint(state, chat, calling)
             params = edge.sampling_params(chat, chat.max_tokens, None, constraint and constraint.params,
                                           show_special_tokens=bool(calling and calling.parser
-                                                                   and calling.parser.show_special_tokens))
+                                                                   and calling.parser.show_special_tokens),
+                                          defaults=state.sampling_defaults)
             ids = await edge.chat_prompt_ids(state, chat.messages, True, False, calling and calling.tools)
             edge.check_context(state, len(ids), chat.max_tokens, "input")
         except APIError as e:
