@@ -251,8 +251,8 @@ def test_the_offline_llm_uses_the_defaults_when_given_no_sampling_params(tiny_mo
     from jaxserve.llm import LLM
 
     folder = write_generation_config(tmp_path / "greedy", {"temperature": 0, "max_new_tokens": 3})
-    llm = LLM(tiny_model, generation_config=str(folder), max_model_len=128, max_num_seqs=8,
-              max_num_batched_tokens=64, block_size=8, num_kv_pages=96)
+    llm = LLM(tiny_model, generation_config=str(folder), warmup=False, max_model_len=128, max_num_seqs=8,
+              max_num_batched_tokens=64, block_size=8, num_kv_pages=96)  # compiles only the two steps it runs
     defaults = llm.get_default_sampling_params()
     assert (defaults.temperature, defaults.max_tokens) == (0, 3)
     default_tokens = llm.generate(PROMPT, use_tqdm=False)[0].outputs[0].token_ids
