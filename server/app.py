@@ -33,6 +33,7 @@ from server.responses import ChatFormat, ChoiceFormat, CompletionFormat, whole_r
 from server.responses_api import responses_router
 from server.streaming import collect, sse_response
 from server.structured import compile_constraint, requested_constraint
+from server.tokenizer_info import tokenizer_info
 from server.tool_parsers import PARSERS
 from server.tools import chat_constraint, tool_calling
 
@@ -67,7 +68,8 @@ def check_allowed_hosts(allowed_hosts: list[str]) -> None:
 def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_body_bytes: int,
                api_key: str | None = None, max_queued_requests: int = 256, chat_page: bool = True,
                tool_call_parser: str | None = None, allowed_hosts: list[str] | None = None,
-               sampling_defaults: SamplingDefaults | None = None) -> FastAPI:
+               sampling_defaults: SamplingDefaults | None = None,
+               enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
     """`tool_call_parser`: the parser of tool_choice="auto" (`tool_parsers.PARSERS`); None refuses "auto".
     `allowed_hosts`: the Host header must name one of them (None: any host). `sampling_defaults`: what a
     request's absent sampling fields take (`generation_config.py`; None: neutral values)."""
@@ -133,6 +135,11 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_b
             ids = await edge.encode(state, body.prompt, "prompt", body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
+    if enable_tokenizer_info_endpoint:  # off by default, as vLLM's: it shows the tokenizer's settings
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info():
+            return tokenizer_info(state.tokenizer)
+
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         edge.check_model(state, body.model)
@@ -144,19 +151,22 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_b
         edge.check_model(state, body.model)
         if body.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo with logprobs needs prompt logprobs, which jaxserve does not support yet",
-                           "echo")
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens must be at least 1 (0 only with echo: the prompt alone)", "max_tokens")
+        echo_only = body.echo and body.max_tokens == 0  # one token is generated, and not shown
+        max_tokens = 1 if echo_only else body.max_tokens
         constraint = requested_constraint(body)
         if constraint is not None:
             await compile_constraint(state, constraint)
-        params = edge.sampling_params(body, body.max_tokens, body.logprobs, constraint and constraint.params,
+        params = edge.sampling_params(body, max_tokens, body.logprobs, constraint and constraint.params,
                                       defaults=state.sampling_defaults)
+        params = edge.with_prompt_logprobs(params, body.prompt_logprobs, body.logprobs if body.echo else None,
+                                           body.stream)
         prompts = await edge.completion_prompts(state, body.prompt, body.n)
         for ids in prompts:
-            edge.check_context(state, len(ids), body.max_tokens, "prompt")
+            edge.check_context(state, len(ids), max_tokens, "prompt")
         echo = [await state.run_blocking(state.tokenizer.decode, ids) if body.echo else "" for ids in prompts]
-        fmt = CompletionFormat(state.tokenizer, len(prompts) * body.n, echo, body.n, body.logprobs)
+        fmt = CompletionFormat(state.tokenizer, len(prompts) * body.n, echo, body.n, body.logprobs, prompts, echo_only)
         return await _generate(state, raw, body, prompts, params, fmt)
 
     @app.post("/v1/chat/completions")
@@ -170,6 +180,7 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_b
                                       show_special_tokens=bool(calling and calling.parser
                                                                and calling.parser.show_special_tokens),
                                       defaults=state.sampling_defaults)
+        params = edge.with_prompt_logprobs(params, body.prompt_logprobs, None, body.stream)
         ids = await edge.chat_prompt_ids(state, body.messages, body.add_generation_prompt,
                                          body.continue_final_message, calling and calling.tools)
         edge.check_context(state, len(ids), max_tokens, "messages")

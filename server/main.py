@@ -61,7 +61,8 @@ def serve(args: argparse.Namespace) -> None:
     app = create_app(engine_loop, name, api_key=api_key, max_queued_requests=args.max_queued_requests,
                      max_request_body_bytes=args.max_request_body_bytes, chat_page=args.chat_page,
                      tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                     allowed_hosts=args.allowed_hosts, sampling_defaults=sampling_defaults)
+                     allowed_hosts=args.allowed_hosts, sampling_defaults=sampling_defaults,
+                     enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -129,6 +130,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                              "read with --tool-call-parser")
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
                         help="the format the model writes tool calls in (vLLM's names)")
+    parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                        help="serve GET /tokenizer_info: the tokenizer's class, settings and chat template "
+                             "(lm-evaluation-harness's tokenizer_backend=remote reads it)")
     parser.add_argument("--no-chat-page", dest="chat_page", action="store_false",
                         help="do not serve the chat page on / (the API is unchanged)")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,

@@ -8,6 +8,7 @@ event loop; input the tokenizer or a template cannot take is a 400.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from jaxserve.config.generation_config import SamplingDefaults
@@ -158,3 +159,14 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
     for stop in params.stop:
         check_text(stop, "stop")
     return params
+
+
+def with_prompt_logprobs(params: SamplingParams, requested: int | None, echoed: int | None, stream: bool
+                         ) -> SamplingParams:
+    """`params` asking for the prompt logprobs the body asks for: `prompt_logprobs` (vLLM's field, refused
+    in a stream, as vLLM refuses it) and, for completions' echo with logprobs, `echoed` of them (the prompt's
+    logprobs lead the choice's)."""
+    if requested is not None and stream:
+        raise APIError(400, "prompt_logprobs are not available when stream=true", "prompt_logprobs")
+    counts = [k for k in (requested, echoed) if k is not None]
+    return dataclasses.replace(params, prompt_logprobs=max(counts)) if counts else params

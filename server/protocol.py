@@ -27,7 +27,7 @@ REFUSED = {
     "prediction": "predicted outputs are not supported", "web_search_options": "jaxserve has no web search",
     "reasoning_effort": "the models jaxserve serves take no reasoning effort", "verbosity": "not supported",
     "moderation": "jaxserve does not moderate", "structural_tag": "not supported", "chat_template_kwargs": "not supported",
-    "use_beam_search": "beam search is not supported", "prompt_logprobs": "prompt logprobs are not supported",
+    "use_beam_search": "beam search is not supported",
 }
 
 
@@ -117,8 +117,9 @@ class SamplingFields(Strict):
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: the prompt alone (app.py)
     logprobs: int | None = Field(None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: per prompt token, its logprob and the top ones
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=1)  # one candidate per choice, as n asks
@@ -180,6 +181,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: per prompt token, its logprob and the top ones
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: list[Tool] | None = None

@@ -18,18 +18,24 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+MIN_LOGPROB = -9999.0  # what -inf is written as (JSON has no infinity), as vLLM and OpenAI do
+
+
 class Result:
     """One choice's output so far: the deltas of its stream added up."""
 
     def __init__(self):
         self.text, self.token_ids, self.logprobs = "", [], []
         self.finish_reason, self.stop_reason = None, None
+        self.prompt_logprobs = None  # the engine's (Request.prompt_logprobs), when requested
 
     def add(self, delta: StreamDelta) -> None:
         self.text += delta.text
         self.token_ids += delta.new_token_ids
         self.logprobs += delta.logprobs or []
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
 
 
 def usage(prompts: list[list[int]], results: list[Result]) -> dict:
@@ -54,6 +60,15 @@ class ChoiceFormat:
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
+    def prompt_logprobs(self, entries: list | None) -> list | None:
+        """vLLM's `prompt_logprobs`: per prompt token null (the first), else {token id: {logprob, rank,
+        decoded_token}}, the prompt's token first."""
+        if entries is None:
+            return None
+        return [None if entry is None else {
+            str(token): {"logprob": max(lp.logprob, MIN_LOGPROB), "rank": lp.rank, "decoded_token": self.token_text(token)}
+            for token, lp in entry.items()} for entry in entries]
+
     def envelope(self, rid: str, created: int, model: str, choices: list[dict], usage: dict | None = None,
                  chunk: bool = False) -> dict:
         body = {"id": rid, "object": self.chunk_kind if chunk else self.kind, "created": created, "model": model,
@@ -74,43 +89,82 @@ class ChoiceFormat:
 
 
 class CompletionFormat(ChoiceFormat):
+    """Completion choices. echo: each prompt's text, prepended to its choices' text ("" without echo); with
+    logprobs too, a choice's logprobs cover its prompt's tokens (`prompts`), then its own (the legacy
+    completions shape that lm-evaluation-harness reads: the first prompt token's logprob null).
+    echo_only (echo with max_tokens 0): the prompt alone, finish_reason "length"."""
+
     kind = chunk_kind = "text_completion"
     id_prefix = "cmpl"
 
-    def __init__(self, tokenizer, num_choices: int, echo: list[str], n: int, num_logprobs: int | None):
+    def __init__(self, tokenizer, num_choices: int, echo: list[str], n: int, num_logprobs: int | None,
+                 prompts: list[list[int]] | None = None, echo_only: bool = False):
         super().__init__(tokenizer, num_choices)
         self.echo, self.n, self.num_logprobs = echo, n, num_logprobs
+        self.prompts, self.echo_only = prompts, echo_only
         self.offsets = [0] * num_choices  # text_offset of each choice's next token
+        self.echoed = [False] * num_choices  # streams: the prompt's text (and logprobs) went out
+
+    @property
+    def echoes_logprobs(self) -> bool:
+        return any(self.echo) and self.num_logprobs is not None
 
     def opening(self, index: int) -> dict | None:
         echo = self.echo[index // self.n]
-        return {"index": index, "text": echo, "logprobs": None, "finish_reason": None} if echo else None
+        if not echo or self.echoes_logprobs:  # echoed logprobs wait for the first delta, which brings them
+            return None
+        self.echoed[index] = True
+        return {"index": index, "text": echo, "logprobs": None, "finish_reason": None}
 
     def delta_choice(self, index: int, delta: StreamDelta) -> dict | None:
-        if not (delta.text or delta.finish_reason or delta.logprobs):
+        text, entries, finish_reason = delta.text, delta.logprobs or [], delta.finish_reason
+        if self.echo_only:
+            text, entries, finish_reason = "", [], "length" if finish_reason is not None else None
+        prompt_part = None
+        if self.echo[index // self.n] and not self.echoed[index]:
+            self.echoed[index] = True
+            text, prompt_part = self.echo[index // self.n] + text, delta.prompt_logprobs
+        if not (text or finish_reason or entries):
             return None
         logprobs = None
         if self.num_logprobs is not None:
-            logprobs = self.logprobs(delta.logprobs or [], self.offsets[index])
+            logprobs = self.logprobs(entries, self.offsets[index], self._prompt_part(index, prompt_part))
             self.offsets[index] += sum(len(t) for t in logprobs["tokens"])
-        return {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason,
-                "stop_reason": delta.stop_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": None if self.echo_only else delta.stop_reason}
 
     def whole_choice(self, index: int, result: Result) -> dict:
-        logprobs = self.logprobs(result.logprobs, 0) if self.num_logprobs is not None else None
-        return {"index": index, "text": self.echo[index // self.n] + result.text, "logprobs": logprobs,
-                "finish_reason": result.finish_reason, "stop_reason": result.stop_reason}
+        own = [] if self.echo_only else result.logprobs
+        logprobs = None
+        if self.num_logprobs is not None:
+            prompt_part = self._prompt_part(index, result.prompt_logprobs) if self.echo[index // self.n] else None
+            logprobs = self.logprobs(own, 0, prompt_part)
+        choice = {"index": index, "text": self.echo[index // self.n] + ("" if self.echo_only else result.text),
+                  "logprobs": logprobs, "finish_reason": "length" if self.echo_only else result.finish_reason,
+                  "stop_reason": None if self.echo_only else result.stop_reason}
+        if result.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs(result.prompt_logprobs)
+        return choice
 
-    def logprobs(self, entries: list[dict[int, float]], offset: int) -> dict:
+    def _prompt_part(self, index: int, entries: list | None) -> list[tuple[int, dict[int, float] | None]] | None:
+        """(token, {token: logprob}) per prompt token of the choice, for its echoed logprobs: the prompt's
+        token and the top `num_logprobs` (the engine computed max(prompt_logprobs, logprobs) of them)."""
+        if entries is None:
+            return None
+        return [(token, None if entry is None else {
+            t: lp.logprob for j, (t, lp) in enumerate(entry.items()) if j == 0 or lp.rank <= self.num_logprobs})
+            for token, entry in zip(self.prompts[index // self.n], entries)]
+
+    def logprobs(self, entries: list[dict[int, float]], offset: int,
+                 prompt_part: list[tuple[int, dict[int, float] | None]] | None = None) -> dict:
         tokens, token_logprobs, top, offsets = [], [], [], []
-        for entry in entries:
-            (token, logprob), *_ = entry.items()
+        for token, entry in [*(prompt_part or []), *((next(iter(entry)), entry) for entry in entries)]:
             text = self.token_text(token)
             offsets.append(offset)
             offset += len(text)
             tokens.append(text)
-            token_logprobs.append(logprob)
-            top.append({self.token_text(t): lp for t, lp in entry.items()})
+            token_logprobs.append(None if entry is None else max(entry[token], MIN_LOGPROB))
+            top.append(None if entry is None else {self.token_text(t): max(lp, MIN_LOGPROB) for t, lp in entry.items()})
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
@@ -185,4 +239,7 @@ class ChatFormat(ChoiceFormat):
 
 def whole_response(fmt: ChoiceFormat, model: str, results: list[Result], prompts: list[list[int]]) -> dict:
     choices = [fmt.whole_choice(i, r) for i, r in enumerate(results)]
-    return fmt.envelope(new_id(fmt.id_prefix), int(time.time()), model, choices, usage(prompts, results))
+    body = fmt.envelope(new_id(fmt.id_prefix), int(time.time()), model, choices, usage(prompts, results))
+    if isinstance(fmt, ChatFormat) and results and results[0].prompt_logprobs is not None:
+        body["prompt_logprobs"] = fmt.prompt_logprobs(results[0].prompt_logprobs)  # vLLM's: the response's
+    return body

@@ -59,6 +59,8 @@ class StreamDelta:
     finish_reason: str | None = None  # set on a request's last delta
     stop_reason: int | str | None = None
     error: BaseException | None = None  # set if the request failed instead (finish_reason "error" or None)
+    # The request's prompt logprobs (Request.prompt_logprobs), in its first delta only, when requested
+    prompt_logprobs: list | None = None
 
 
 class RequestStream:
@@ -279,7 +281,8 @@ class EngineLoop:
         upto = max(sent_chars, len(text) - hold_back)
         logprobs = request.logprobs[sent_tokens:] if request.sampling_params.logprobs is not None else None
         delta = StreamDelta(request.output_token_ids[sent_tokens:], text[sent_chars:upto], logprobs,
-                            request.finish_reason, request.stop_reason)
+                            request.finish_reason, request.stop_reason,
+                            prompt_logprobs=request.prompt_logprobs if sent_tokens == 0 else None)
         self._sent[request.request_id] = (len(request.output_token_ids), upto)
         if finished:
             self._streams.pop(request.request_id)
