@@ -302,7 +302,9 @@ class ModelRunner:
         return len(self._prompt_logprob_executables)
 
     def _lower_prompt_logprobs(self, bucket: int):
-        hidden = self._executables["prefill", bucket].out_info[3]  # the prefill step's last layer output
+        # the prefill step's last layer output: [bucket tokens, hidden] in the activations' dtype (not read from
+        # the executable's out_info, which the Pallas interpreter's steps cannot answer)
+        hidden = jax.ShapeDtypeStruct((bucket, self.model_cfg.hidden_size), jnp.dtype(self.cfg.dtype))
         float32_on_gpu = self.device.platform in ("gpu", "cuda") and self.cfg.dtype == "float32"
         return prompt_logprobs.lower(self._prompt_logprobs, self.params, hidden, bucket, float32_on_gpu)
 
