@@ -53,7 +53,8 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def default_llm():
     """The default model at the limits the default-model tests share (512 tokens, 8 sequences, 128 tokens a
-    step), loaded and compiled once per session."""
+    step), loaded and compiled once per session; float32 by name: its tests compare with Hugging Face's
+    float32 tokens."""
     from jaxserve import LLM
 
-    return LLM(None, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128)
+    return LLM(None, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128, dtype="float32")

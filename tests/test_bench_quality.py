@@ -17,7 +17,8 @@ from jaxserve.cli import main
 from jaxserve.llm import LLM
 
 # Small limits keep warm-up to three executables: one prompt bucket, two decode buckets.
-LIMITS = dict(max_num_seqs=2, max_num_batched_tokens=16, block_size=16)
+# float32 by name: the losses are compared with Hugging Face's float32 ones
+LIMITS = dict(max_num_seqs=2, max_num_batched_tokens=16, block_size=16, dtype="float32")
 NUM_TOKENS = 200
 
 
@@ -99,18 +100,18 @@ def test_reference_keeps_only_the_weights_and_limits():
 
 
 def test_command_runs_end_to_end(model_a, tmp_path, capsys):
-    """`jaxserve bench quality` at the defaults (float32 on a CPU) against the float32 reference: the table,
-    12/12 greedy agreement, equal perplexities, and the JSON."""
+    """`jaxserve bench quality` at --dtype float32 against the float32 reference: the table, 12/12 greedy
+    agreement, equal perplexities, and the JSON."""
     output = tmp_path / "quality.json"
     main(["bench", "quality", "--model", str(model_a[0]), "--max-tokens", "100", "--chunk-size", "32",
-          "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--output", str(output)])
+          "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--dtype", "float32", "--output", str(output)])
     printed = capsys.readouterr().out
     assert "| float32 (reference) |" in printed and "12/12" in printed
     result = json.loads(output.read_text())
     assert result["num_tokens"] == 100
     assert result["greedy"] == {"num_prompts": 12, "num_equal": 12, "differences": []}
     assert result["perplexity_ratio"] == pytest.approx(1.0, abs=1e-6)
-    assert result["setting"]["label"] == "max_num_seqs=2 max_num_batched_tokens=16"
+    assert result["setting"]["label"] == "max_num_seqs=2 max_num_batched_tokens=16 dtype=float32"
 
 
 def test_the_text_ships_with_the_package():

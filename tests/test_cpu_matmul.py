@@ -17,7 +17,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 
 from jaxserve.ops import cpu_ffi
-from jaxserve.ops.attention_backends import matmul_hint, paired_attention_backend, resolve_matmul_backend
+from jaxserve.ops.attention_backends import cpu_half_precision, paired_attention_backend, resolve_matmul_backend
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.ops.packed_matmul import PANEL_WIDTH, PackedWeight, matmul, silu_gated_matmul
 
@@ -199,7 +199,8 @@ def test_bfloat16_kv_pages_hold_twice_the_tokens_and_serve_a_float32_engine(tiny
     the C++ attention reads them, and greedy decoding runs to the requested length."""
     kw = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, block_size=8,
               kv_cache_memory_bytes=2**20)
-    f32, bf16 = (LLM(tiny_model_dir("llama"), kv_cache_dtype=dtype, **kw) for dtype in ("float32", "bfloat16"))
+    f32, bf16 = (LLM(tiny_model_dir("llama"), dtype="float32", kv_cache_dtype=dtype, **kw)
+                 for dtype in ("float32", "bfloat16"))
     assert bf16.engine.runner.attention_backend == "cpu" and bf16.engine.runner.matmul_backend == "cpu"
     assert [x.dtype for x in bf16.engine.runner.kv_cache] == [jnp.bfloat16] * 2
     assert bf16.engine.runner.num_pages == 2 * f32.engine.runner.num_pages
@@ -209,13 +210,31 @@ def test_bfloat16_kv_pages_hold_twice_the_tokens_and_serve_a_float32_engine(tiny
     assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]
 
 
-def test_start_up_points_at_cpu_bf16_only_where_auto_chose_float32_on_a_cpu_with_avx512_bf16(monkeypatch):
+@needs_kernels
+def test_dtype_auto_is_bfloat16_only_on_a_cpu_with_avx512_bf16_and_only_where_nothing_else_was_asked(
+        monkeypatch):
+    from jaxserve.config.model_config import ModelConfig
+    from jaxserve.runner.resolve import resolve_config
+    from tiny_models import hf_config
+
     monkeypatch.setattr(cpu_ffi, "bf16_dot_instructions", lambda: True)
-    assert "--matmul-backend cpu-bf16" in matmul_hint("auto", "cpu")
-    assert matmul_hint("cpu", "cpu") is None and matmul_hint("auto", "xla") is None
-    assert matmul_hint("cpu-bf16", "cpu-bf16") is None
-    monkeypatch.setattr(cpu_ffi, "bf16_dot_instructions", lambda: False)
-    assert matmul_hint("auto", "cpu") is None
+    auto = EngineConfig()
+    assert "AVX512-BF16" in cpu_half_precision(auto, "cpu")
+    assert cpu_half_precision(auto, "gpu") is None
+    for given in (dict(dtype="float32"), dict(dtype="bfloat16"), dict(matmul_backend="cpu"),
+                  dict(matmul_backend="xla"), dict(attention_backend="xla"), dict(quantization="int8")):
+        assert cpu_half_precision(EngineConfig(**given), "cpu") is None, given
+    model = ModelConfig.from_hf(hf_config("llama"))
+    resolved = resolve_config(EngineConfig(max_model_len=64), model, platform="cpu")
+    assert (resolved.matmul_backend, resolved.attention_backend, resolved.packed_dtype) == ("cpu-bf16",) * 2 + (
+        "bfloat16",)
+    assert resolved.engine.kv_cache_dtype == "bfloat16" and resolved.half_precision
+    assert not any(c.startswith("dtype ") for c in resolved.chosen)  # the start-up line says it instead
+    exact = resolve_config(EngineConfig(dtype="float32", max_model_len=64), model, platform="cpu")
+    assert (exact.matmul_backend, exact.engine.kv_cache_dtype, exact.half_precision) == ("cpu", "float32", None)
+    monkeypatch.setattr(cpu_ffi, "bf16_dot_instructions", lambda: False)  # an AVX2 CPU
+    assert cpu_half_precision(auto, "cpu") is None
+    assert resolve_config(EngineConfig(max_model_len=64), model, platform="cpu").matmul_backend == "cpu"
 
 
 @needs_kernels

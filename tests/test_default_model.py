@@ -82,7 +82,7 @@ def test_greedy_matches_hf_for_chat_and_plain_prompts(llm, prompts, hf_tokens):
 def test_split_over_devices_greedy_matches_hf(tp, llm, prompts, hf_tokens):
     """Split over 2 devices (a zero KV head pads SmolLM2's 3) or 3 (one KV head each), the same tokens,
     with about 1/tp of the weights on each device (a zero KV head and its query group pad tp=2's)."""
-    split = LLM(None, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128, tensor_parallel_size=tp)
+    split = LLM(None, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128, tensor_parallel_size=tp, dtype="float32")
     outs = split.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert [out.outputs[0].token_ids for out in outs] == hf_tokens
     share = split.get_stats()["device_weight_bytes"] / llm.get_stats()["device_weight_bytes"]
@@ -152,7 +152,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
 @pytest.fixture(scope="module")
 def spec_llm():
     """The `llm` engine's shapes (its executables come from the compilation cache) with prompt lookup."""
-    return LLM(None, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128, speculative_config=NGRAM)
+    return LLM(None, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128, speculative_config=NGRAM, dtype="float32")
 
 
 def _chat(tok, content: str) -> dict:

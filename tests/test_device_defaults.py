@@ -132,16 +132,33 @@ def test_the_flags_parse():
         parse("--gpu-memory-utilization", "90")
 
 
-def test_no_flags_on_a_cpu_start_the_engine_of_before(tiny_model_dir, capsys):
-    """`jaxserve serve MODEL` on a CPU: today's numbers, and the start-up line says what was chosen."""
+@pytest.mark.parametrize("avx512_bf16", [False, True])
+def test_no_flags_on_a_cpu_start_the_engine_of_before(tiny_model_dir, capsys, monkeypatch, avx512_bf16):
+    """`jaxserve serve MODEL` on a CPU: today's numbers, and the start-up line says what was chosen; where
+    the CPU has AVX512-BF16, the weights and KV pages are bfloat16 (the cpu-bf16 kernels), and it says so."""
+    from jaxserve.ops import cpu_ffi
+
+    if cpu_ffi.kernel_error() is not None:
+        pytest.skip(f"the C++ kernels do not build here: {cpu_ffi.kernel_error()}")
+    monkeypatch.setattr(cpu_ffi, "bf16_dot_instructions", lambda: avx512_bf16)
     engine, _ = LLMEngine.from_config(tiny_model_dir("llama"), EngineConfig(), warmup=False)
     cfg = engine.cfg
     assert (cfg.dtype, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.kv_cache_memory_bytes) == (
         "float32", 32, 512, 512 * 2**20)
     assert cfg.max_model_len == min(2048, engine.model_cfg.max_position_embeddings)
     assert engine.runner.decode_buckets == [1, 2, 4, 8, 16, 32]
-    assert ("jaxserve: defaults for cpu (a CPU's defaults): dtype float32, max_num_seqs 32, "
-            "max_num_batched_tokens 512, KV cache 512 MiB, max_model_len") in capsys.readouterr().err
+    err = capsys.readouterr().err
+    half = "dtype auto: bfloat16 weights and KV pages (the cpu-bf16 matmul and attention"
+    if avx512_bf16:
+        assert (cfg.matmul_backend, cfg.kv_cache_dtype, engine.runner.attention_backend) == (
+            "cpu-bf16", "bfloat16", "cpu-bf16")
+        assert half in err and "weights bfloat16 (the C++ matmul)" in err
+        assert ("jaxserve: defaults for cpu (a CPU's defaults): kv_cache_dtype bfloat16, max_num_seqs 32, "
+                "max_num_batched_tokens 512, KV cache 512 MiB, max_model_len") in err
+    else:
+        assert (cfg.kv_cache_dtype, engine.runner.attention_backend) == ("float32", "cpu") and half not in err
+        assert ("jaxserve: defaults for cpu (a CPU's defaults): dtype float32, max_num_seqs 32, "
+                "max_num_batched_tokens 512, KV cache 512 MiB, max_model_len") in err
 
 
 def test_no_flags_on_a_described_gpu_size_the_pool_from_its_memory(tiny_model_dir, monkeypatch, capsys):

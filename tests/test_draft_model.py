@@ -247,7 +247,8 @@ def test_the_draft_pool_takes_half_the_memory_the_target_left(engines, model_dir
     gpu_memory_utilization grants), the draft's pool takes half of what its weights leave of it."""
     _, draft_dir = model_dirs
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(load_model(draft_dir, "float32").params))
-    page_bytes = engines["draft"].engine.proposer.runner.model_cfg.kv_bytes_per_token("float32") * PAGE_SIZE
+    draft_runner = engines["draft"].engine.proposer.runner  # its pages: float32, or bfloat16 where dtype auto chose it
+    page_bytes = draft_runner.model_cfg.kv_bytes_per_token(draft_runner.cfg.kv_cache_dtype) * PAGE_SIZE
     monkeypatch.setattr(draft_model, "free_device_bytes", lambda: weight_bytes + 2 * 40 * page_bytes)
     target = engines["target"].engine
     proposer = DraftModelProposer(SpeculativeConfig(**speculative(draft_dir)), target.model_cfg, target.cfg)

@@ -119,7 +119,7 @@ def test_an_fp8_engine_generates_with_no_compiles_after_warm_up(tiny_model_dir, 
     """kv_cache_dtype="fp8" end to end, prompts and decode steps: the pages are float8, a quarter of
     float32's bytes (four times the pages in the same memory), and nothing compiles after warm-up."""
     kw = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, block_size=8, kv_cache_memory_bytes=2**20,
-              attention_backend=backend, forbid_compilation_after_warmup=True)
+              attention_backend=backend, dtype="float32", forbid_compilation_after_warmup=True)
     llm = LLM(tiny_model_dir("llama"), kv_cache_dtype="fp8", **kw)
     runner = llm.engine.runner
     assert runner.cfg.kv_cache_dtype == "float8_e4m3fn" and [x.dtype for x in runner.kv_cache] == [FP8] * 2

@@ -31,7 +31,9 @@ from jaxserve import SamplingParams
 from jaxserve.distributed.multihost import SECRET_ENV, SECRET_FILE_ENV
 from server_helpers import REPO_ROOT, free_port, run_server
 
-DEFAULT_FLAGS = ["--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "128"]
+# float32 by name, as default_llm, whose text the two processes must give
+DEFAULT_FLAGS = ["--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "128",
+                 "--dtype", "float32"]
 PROMPTS = ["The capital of Germany is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 
 

@@ -102,7 +102,7 @@ def test_unsupported_head_dim_is_refused_at_engine_start(tiny_model_dir):
     for backend in ("pallas-interpret", "pallas"):
         with pytest.raises(ValueError, match=f"attention_backend='{backend}'.*head_dim=16"):
             LLM(tiny_model_dir("llama"), attention_backend=backend, warmup=False, **ENGINE)
-    llm = LLM(tiny_model_dir("llama"), attention_backend="auto", warmup=False, **ENGINE)
+    llm = LLM(tiny_model_dir("llama"), attention_backend="auto", dtype="float32", warmup=False, **ENGINE)
     from jaxserve.ops.cpu_ffi import kernel_error
 
     # On a CPU in float32: XLA with the C++ decode kernel, or plain XLA where no compiler can build it.

@@ -343,8 +343,9 @@ def test_greedy_follows_penalties_and_logit_bias():
 # ------------------------------------------------------------------------------------------------
 # Through the engine, on a tiny random llama
 
+# float32 by name: test_logprobs_match_transformers compares with Hugging Face's float32 logprobs.
 ENGINE = dict(max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64, block_size=8, num_kv_pages=300,
-              forbid_compilation_after_warmup=True)
+              dtype="float32", forbid_compilation_after_warmup=True)
 
 
 @pytest.fixture(scope="module")

@@ -57,7 +57,7 @@ def model_dir(tmp_path_factory):
 def _runner(path, tp: int, **settings) -> ModelRunner:
     model = load_model(path, "float32")
     cfg = EngineConfig(**{**dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, num_kv_pages=24,
-                              tensor_parallel_size=tp), **settings})
+                              tensor_parallel_size=tp, dtype="float32"), **settings})
     return ModelRunner(model.config, cfg, model.params)
 
 

@@ -37,8 +37,9 @@ class KindDefaults:
     why: str  # where the numbers come from, for the start-up line
 
 
-# The engine's defaults from before they depended on the device, kept as they were; float32 because a
-# CPU multiplies bfloat16 matrices more slowly.
+# The engine's defaults from before they depended on the device, kept as they were; float32 activations (the
+# C++ kernels'). Where the CPU has AVX512-BF16, dtype auto also holds the weights and KV pages in bfloat16
+# (attention_backends.cpu_half_precision: the cpu-bf16 kernels).
 CPU = KindDefaults("a CPU", "float32", 32, 512, 512 * 2**20, 2048, "a CPU's defaults")
 # The engine measured on one H100 (docs/benchmarks.md, SmolLM2-1.7B's shape): bfloat16, which the Pallas
 # kernels need (with float32, auto attention falls back to XLA's, several times slower there), and 128
@@ -53,7 +54,9 @@ ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas", "pallas-interpret")
 # kernel with bfloat16 weights (x rounded to bfloat16, float32 sums; activations stay float32, the KV
 # pages are bfloat16 unless kv_cache_dtype says otherwise).
 MATMUL_BACKENDS = ("auto", "xla", "cpu", "cpu-bf16")
-# auto: float32 on a CPU (its fast dtype), bfloat16 on a GPU (the Pallas kernels'; float16 is not supported).
+# auto: bfloat16 on a GPU (the Pallas kernels'; float16 is not supported); on a CPU bfloat16 weights and KV pages
+# where it has AVX512-BF16 (the cpu-bf16 kernels, float32 activations), else float32. float32: the exact-parity
+# mode (Hugging Face's float32 tokens); an explicit bfloat16 on a CPU runs XLA in bfloat16 throughout.
 DTYPES = ("auto", "float32", "bfloat16")
 # auto: dtype's, and bfloat16 under matmul_backend cpu-bf16 (device_defaults.py). bfloat16 pages under
 # float32 activations are read by the C++ attention kernel (half the bytes) or XLA's. fp8 (vLLM's name;
@@ -126,8 +129,9 @@ class EngineConfig:
     gpu_memory_utilization: float = setting(
         0.9, "the share of each GPU's memory (what XLA may allocate) the engine may use, its KV cache included; "
              "sizes the KV cache when kv_cache_memory_bytes and num_kv_pages are unset")
-    dtype: str = setting("auto", f"weights, activations and KV pages; auto: {CPU.dtype} on a CPU, "
-                                 f"{GPU.dtype} on a GPU", choices=DTYPES)
+    dtype: str = setting("auto", f"weights, activations and KV pages; auto: {GPU.dtype} on a GPU; on a CPU "
+                                 f"bfloat16 weights and KV pages where it has AVX512-BF16, else {CPU.dtype}; "
+                                 f"float32 keeps Hugging Face's float32 tokens", choices=DTYPES)
     kv_cache_dtype: str = setting("auto", "the KV pages' dtype; auto: dtype's, bfloat16 under matmul_backend "
                                           "cpu-bf16 or a quantization (half the bytes per token; a float32 engine widens them as it "
                                           "reads them); fp8 (or fp8_e4m3): float8 e4m3, a quarter of float32's "

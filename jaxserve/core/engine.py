@@ -105,7 +105,7 @@ class LLMEngine:
         device = DeviceInfo.local()
         dtype = device_defaults.resolve_dtype(cfg.dtype, device)  # decided once: the weights load in it
         if cfg.node_rank > 0:  # a follower serves the leader's steps until the leader stops, then exits
-            multihost.run_follower(model, dataclasses.replace(cfg, dtype=dtype), show_progress)
+            multihost.run_follower(model, cfg, dtype, show_progress)
             raise SystemExit(0)
         loaded = load_model(model, dtype, lazy=cfg.tensor_parallel_size > 1, load_format=cfg.load_format,
                             seed=cfg.seed)

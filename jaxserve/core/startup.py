@@ -13,8 +13,8 @@ def log_engine_shape(runner: ModelRunner, source: str) -> None:
     if resolved.chosen:
         STARTUP.info("defaults for %s (%s): %s", resolved.device.kind,
                      device_defaults.kind_defaults(resolved.device).why, ", ".join(resolved.chosen))
-    if resolved.matmul_hint:
-        STARTUP.info("%s", resolved.matmul_hint)
+    if resolved.half_precision:
+        STARTUP.info("%s", resolved.half_precision)
     STARTUP.info(f"{resolved.model.architecture} from {source}; KV cache {runner.num_pages - 1} pages x "
                  f"{runner.cfg.page_size} tokens = {runner.max_concurrent_tokens} max concurrent tokens "
                  f"({runner.kv_cache_bytes / 2**20:.0f} MiB)")

@@ -508,15 +508,17 @@ def follow(runner, channel: FollowerChannel) -> int:
     return num_steps
 
 
-def run_follower(model, cfg: EngineConfig, show_progress: bool = True) -> None:
-    """A follower rank's whole life: load the model, place its slices, compile every bucket as the
-    leader does, connect, and run the leader's steps until it goes."""
+def run_follower(model, cfg: EngineConfig, dtype: str, show_progress: bool = True) -> None:
+    """A follower rank's whole life: load the model (in `dtype`, the leader's `resolve_dtype`), place its
+    slices, compile every bucket as the leader does, connect, and run the leader's steps until it goes.
+    `cfg` is resolved as the leader resolves it (dtype "auto" included), so both choose the same backends."""
     from jaxserve.runner.model_runner import ModelRunner
+    from jaxserve.runner.resolve import resolve_config
     from jaxserve.weights import load_model
 
     secret = load_secret(cfg)
-    loaded = load_model(model, cfg.dtype, lazy=True)  # only this process's slices are read
-    runner = ModelRunner(loaded.config, cfg, loaded.params)
+    loaded = load_model(model, dtype, lazy=True)  # only this process's slices are read
+    runner = ModelRunner(loaded.config, resolve_config(cfg, loaded.config, dtype=dtype), loaded.params)
     runner.warmup(show_progress)
     STARTUP.info("follower rank %d ready (%s); connecting to the leader", cfg.node_rank, runner.describe_weights_read())
     try:

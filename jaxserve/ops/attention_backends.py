@@ -149,15 +149,24 @@ def paired_attention_backend(attention: str, matmul: str) -> str:
     return "cpu-bf16" if attention == "cpu" and matmul == "cpu-bf16" else attention
 
 
-def matmul_hint(requested: str, resolved: str) -> str | None:
-    """The start-up line pointing at "cpu-bf16" where "auto" chose float32 on a CPU that multiplies
-    bfloat16 at twice float32's rate; None elsewhere."""
-    from jaxserve.ops.cpu_ffi import bf16_dot_instructions
+def cpu_half_precision(engine_cfg: EngineConfig, platform: str | None = None) -> str | None:
+    """Why dtype "auto" runs a CPU engine in bfloat16, or None where it stays float32.
 
-    if requested != "auto" or resolved != "cpu" or not bf16_dot_instructions():
+    vLLM serves a float32 checkpoint in half precision where the device computes it fast; so does this, on
+    a CPU that multiplies bfloat16 at twice float32's rate (AVX512-BF16, which AMX CPUs have too): the
+    weights and KV pages in bfloat16, multiplied by the "cpu-bf16" matmul and attention (activations and
+    sums stay float32). Only where every setting it changes was left to choose (dtype, matmul and attention
+    backends) and no quantization is asked; `dtype="float32"` keeps Hugging Face's float32 tokens."""
+    platform = platform or jax.default_backend()
+    if (platform != "cpu" or engine_cfg.dtype != "auto" or engine_cfg.matmul_backend != "auto"
+            or engine_cfg.attention_backend not in ("auto", "cpu") or engine_cfg.quantization):
         return None
-    return ("this CPU has AVX512-BF16: --matmul-backend cpu-bf16 (bfloat16 weights, float32 sums) runs the matmuls "
-            "about 1.7x faster; float32, the default, keeps Hugging Face's float32 tokens")
+    from jaxserve.ops.cpu_ffi import bf16_dot_instructions, kernel_error
+
+    if not bf16_dot_instructions() or kernel_error():
+        return None
+    return ("dtype auto: bfloat16 weights and KV pages (the cpu-bf16 matmul and attention, float32 sums: this CPU "
+            "has AVX512-BF16); --dtype float32 keeps Hugging Face's float32 tokens")
 
 
 def write_kv(k_pages, v_pages, layer, k, v, slot_mapping, *, backend: str = "xla"):

@@ -21,8 +21,8 @@ from jaxserve.config.buckets import decode_buckets, prefill_buckets
 from jaxserve.config.device_defaults import DeviceInfo, MemoryUse
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.config.model_config import ModelConfig
-from jaxserve.ops.attention_backends import (matmul_hint, paired_attention_backend, resolve_attention_backend,
-                                             resolve_matmul_backend)
+from jaxserve.ops.attention_backends import (cpu_half_precision, paired_attention_backend,
+                                             resolve_attention_backend, resolve_matmul_backend)
 from jaxserve.parallel.tp_layout import HeadLayout
 
 # The dtype of the packed weights each C++ matmul backend takes ("xla": not packed)
@@ -43,7 +43,7 @@ class ResolvedConfig:
     chosen: tuple[str, ...]  # the defaults chosen for the device, as the start-up line says them
     attention_backend: str
     matmul_backend: str
-    matmul_hint: str | None  # said at start-up where the matmul backend is not the one asked for
+    half_precision: str | None  # why dtype auto chose bfloat16 on a CPU (said at start-up), else None
     packed_dtype: str | None  # the C++ matmul's packed weights, None for XLA's dot
     quantization: str | None  # XLA's 8-bit weights (QuantizedWeight), None where packed or unquantized
     sampler_branches: bool  # the sampler branches on device data (not on a GPU: a branch waits for the host)
@@ -62,6 +62,13 @@ def resolve_async_scheduling(setting: bool | None, platform: str, speculative: b
     return setting if setting is not None else platform == "gpu" and not speculative
 
 
+def _defaults(cfg: EngineConfig, model_cfg: ModelConfig, device: DeviceInfo, half_precision: str | None,
+              memory: MemoryUse | None = None, *, dtype: str | None) -> tuple[EngineConfig, tuple[str, ...]]:
+    """device_defaults.resolve, its choice of dtype left unsaid where `half_precision` says it instead."""
+    engine, chosen = device_defaults.resolve(cfg, model_cfg, device, memory, dtype=dtype)
+    return engine, tuple(c for c in chosen if not (half_precision and c.startswith("dtype ")))
+
+
 def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, device: DeviceInfo | None = None, *,
                    platform: str | None = None, dtype: str | None = None) -> ResolvedConfig:
     """The record for serving a model of `model_cfg` with `cfg` on `device` (this machine's by default).
@@ -75,7 +82,10 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, device: DeviceInfo
     tp = cfg.tensor_parallel_size
     layout = HeadLayout.for_model(model_cfg, tp) if tp > 1 else None
     device_model = layout.device_config(model_cfg) if layout else model_cfg
-    engine, chosen = device_defaults.resolve(cfg, device_model, device, dtype=dtype)
+    half_precision = cpu_half_precision(cfg, platform or device.platform)
+    if half_precision:
+        cfg = dataclasses.replace(cfg, matmul_backend="cpu-bf16")
+    engine, chosen = _defaults(cfg, device_model, device, half_precision, dtype=dtype)
     attention = resolve_attention_backend(engine.attention_backend, device_model, engine, platform)
     matmul = resolve_matmul_backend(engine.matmul_backend, engine, platform)
     compiled_for = platform or jax.default_backend()
@@ -88,7 +98,7 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, device: DeviceInfo
         engine=engine, requested=cfg, model=model_cfg, device_model=device_model, layout=layout, device=device,
         platform=compiled_for, chosen=chosen,
         attention_backend=paired_attention_backend(attention, matmul), matmul_backend=matmul,
-        matmul_hint=matmul_hint(cfg.matmul_backend, matmul), packed_dtype=packed_dtype,
+        half_precision=half_precision, packed_dtype=packed_dtype,
         quantization=engine.quantization if packed_dtype is None else None,
         sampler_branches=compiled_for != "gpu", kv_tile=min(engine.kv_tile, engine.max_model_len),
         max_positions=engine.max_model_len,
@@ -103,7 +113,7 @@ def size_pool(resolved: ResolvedConfig, memory: MemoryUse) -> ResolvedConfig:
     """The record with its KV pool sized from the device's memory, now that the runner measured what the
     weights and the largest step take (`memory`); max_model_len may fall to what the pool holds. The
     buckets, backends and rope tables were settled before and stay."""
-    engine, chosen = device_defaults.resolve(resolved.requested, resolved.device_model, resolved.device, memory,
-                                             dtype=resolved.engine.dtype)
+    engine, chosen = _defaults(resolved.requested, resolved.device_model, resolved.device, resolved.half_precision,
+                               memory, dtype=resolved.engine.dtype)
     return dataclasses.replace(resolved, engine=engine, chosen=chosen,
                                num_pages=device_defaults.num_pool_pages(engine, resolved.device_model) + 1)
