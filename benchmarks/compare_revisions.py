@@ -51,6 +51,7 @@ def main() -> None:
     parser.add_argument("--work-dir", type=Path, default=REPO / ".bench")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "revisions.json")
     args = parser.parse_args()
+    args.client = "jaxserve"  # compare_vllm.bench's client: this checkout's `jaxserve bench serve`, for both
     raw = args.work_dir / "runs"
     raw.mkdir(parents=True, exist_ok=True)
     args.hf_dir = export_model(args.work_dir / "smollm2-135m-instruct-hf")  # the client's tokenizer
