@@ -1,0 +1,166 @@
+"""LoRA on the host: PEFT adapter directories read into A and B that give PEFT's own deltas, the adapters
+refused (each with a LoRAError naming the problem), LoRARequest, and the test helper's adapters."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import peft
+import pytest
+import torch
+from lora_adapters import load_base, make_peft_adapter, peft_greedy
+from tiny_models import make_tiny_model
+
+from jaxserve import LoRARequest
+from jaxserve.lora import LoRAError
+from jaxserve.lora.peft_loader import TARGETS, load_adapter
+from jaxserve.weights.hf import hf_dir_config
+
+ATTENTION, MLP = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
+
+
+def _peft_deltas(base_dir, adapter_dir, x_by_target: dict[str, torch.Tensor]) -> dict[tuple[str, int], np.ndarray]:
+    """PEFT's own delta (the LoRA layer's output minus its base layer's) for each adapted projection."""
+    model = peft.PeftModel.from_pretrained(load_base(base_dir), str(adapter_dir)).eval()
+    deltas = {}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, peft.tuners.lora.Linear):
+                target, layer = name.rsplit(".", 1)[-1], int(name.split("layers.")[1].split(".")[0])
+                x = x_by_target[target]
+                deltas[target, layer] = (module(x) - module.base_layer(x)).numpy()
+    return deltas
+
+
+@pytest.mark.parametrize("family, rank, alpha, targets, use_rslora, layers", [
+    ("llama", 8, 16, ("q_proj", "v_proj"), False, None),
+    ("llama", 16, 32, TARGETS, True, None),
+    ("qwen3", 8, 8, MLP + ("o_proj",), False, None),  # head_dim * heads != hidden: q and o are not square
+    ("qwen3", 16, 4, ("k_proj", "gate_proj"), True, [1]),  # layer 0 is left alone
+])
+def test_loaded_matrices_give_peft_deltas(tiny_model_dir, tmp_path, family, rank, alpha, targets, use_rslora, layers):
+    """x @ A @ B equals PEFT's LoRA layer output minus its base layer's for every adapted projection and
+    layer (A, B transposed and the alpha / r or alpha / sqrt(r) scaling folded in), and zeros elsewhere."""
+    base = tiny_model_dir(family)
+    adapter_dir = make_peft_adapter(base, tmp_path / "adapter", rank=rank, alpha=alpha, targets=targets,
+                                    use_rslora=use_rslora, layers_to_transform=layers, seed=rank)
+    cfg = hf_dir_config(base)
+    weights = load_adapter(adapter_dir, cfg, max_lora_rank=16)
+    assert weights.rank == rank and set(weights.targets) == set(targets)
+    generator = torch.Generator().manual_seed(0)
+    inputs = {t: torch.randn(3, weights.targets[t][0].shape[1], generator=generator) for t in targets}
+    deltas = _peft_deltas(base, adapter_dir, inputs)
+    for target, (a, b) in weights.targets.items():
+        assert a.dtype == b.dtype == np.float32
+        assert a.shape[::2] == b.shape[:2] == (cfg.num_layers, rank)
+        for layer in range(cfg.num_layers):
+            ours = inputs[target].numpy() @ a[layer] @ b[layer]
+            if layers is not None and layer not in layers:
+                assert (target, layer) not in deltas and not a[layer].any() and not b[layer].any()
+                continue
+            np.testing.assert_allclose(ours, deltas[target, layer], rtol=1e-4, atol=1e-5)
+            assert np.abs(ours).max() > 1e-2  # a delta that could be told from none
+    assert weights.nbytes == sum(a.nbytes + b.nbytes for a, b in weights.targets.values())
+
+
+def test_bfloat16_adapter_reads_as_its_float32_values(tiny_model_dir, tmp_path):
+    """A bfloat16 adapter file (safetensors' numpy reader has no bfloat16) loads as the same numbers."""
+    from safetensors.torch import load_file, save_file
+
+    adapter_dir = make_peft_adapter(tiny_model_dir("llama"), tmp_path / "adapter")
+    cfg = hf_dir_config(tiny_model_dir("llama"))
+    file = adapter_dir / "adapter_model.safetensors"
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(file).items()}, file)
+    rounded = load_adapter(adapter_dir, cfg, 16)
+    save_file({k: v.float() for k, v in load_file(file).items()}, file)
+    exact = load_adapter(adapter_dir, cfg, 16)
+    for target in ("q_proj", "v_proj"):
+        for ours, theirs in zip(rounded.targets[target], exact.targets[target]):
+            np.testing.assert_array_equal(ours, theirs)
+
+
+def _edit_config(adapter_dir, **changes):
+    config_file = adapter_dir / "adapter_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **changes}))
+
+
+@pytest.fixture
+def llama_cfg(tiny_model_dir):
+    return hf_dir_config(tiny_model_dir("llama"))
+
+
+def _refusal(tmp_path, cfg, make, *, max_lora_rank=16, name="my-adapter") -> str:
+    """The message of the LoRAError that loading the adapter `make(directory)` writes raises."""
+    adapter_dir = tmp_path / "adapter"
+    make(adapter_dir)
+    with pytest.raises(LoRAError) as refused:
+        load_adapter(adapter_dir, cfg, max_lora_rank, name=name)
+    assert f"LoRA adapter {name!r}" in str(refused.value)
+    return str(refused.value)
+
+
+def _without_weights(adapter_dir):
+    (adapter_dir / "adapter_model.safetensors").unlink()
+
+
+@pytest.mark.parametrize("make, max_lora_rank, expected", [
+    (lambda base, d: d.mkdir(), 16, "has no adapter_config.json"),
+    (lambda base, d: _without_weights(make_peft_adapter(base, d)), 16, "has no adapter_model.safetensors"),
+    (lambda base, d: make_peft_adapter(base, d, targets=("q_proj", "lm_head")), 16, "target_modules ['lm_head']"),
+    (lambda base, d: make_peft_adapter(base, d, rank=16), 8, "r=16 is above max_lora_rank=8"),
+    (lambda base, d: _edit_config(make_peft_adapter(base, d), use_dora=True), 16, "use_dora=true (DoRA)"),
+    (lambda base, d: _edit_config(make_peft_adapter(base, d), bias="all"), 16, "bias='all'"),
+    (lambda base, d: _edit_config(make_peft_adapter(base, d), modules_to_save=["lm_head"]), 16,
+     "modules_to_save=['lm_head']"),
+    (lambda base, d: _edit_config(make_peft_adapter(base, d), rank_pattern={"q_proj": 4}), 16, "rank_pattern"),
+], ids=["no-config", "no-weights", "lm_head", "rank", "dora", "bias", "modules_to_save", "rank_pattern"])
+def test_refusals_name_the_adapter_and_the_problem(tiny_model_dir, tmp_path, llama_cfg, make, max_lora_rank,
+                                                   expected):
+    """Each adapter jaxserve cannot serve is a LoRAError (a ValueError: the server's 400) that says why."""
+    assert expected in _refusal(tmp_path, llama_cfg, lambda d: make(tiny_model_dir("llama"), d),
+                                max_lora_rank=max_lora_rank)
+
+
+def test_a_missing_directory_is_refused(tmp_path, llama_cfg):
+    assert issubclass(LoRAError, ValueError)
+    with pytest.raises(LoRAError, match=r"LoRA adapter 'gone': .*nowhere' is not a directory"):
+        load_adapter(tmp_path / "nowhere", llama_cfg, 16, name="gone")
+
+
+def test_embedding_and_head_matrices_are_refused_by_tensor_name(tiny_model_dir, tmp_path, llama_cfg):
+    """A target_modules regex (not a list) that also caught embed_tokens or lm_head: refused at its tensor."""
+    base = tiny_model_dir("llama")
+    message = _refusal(tmp_path, llama_cfg, lambda d: _edit_config(
+        make_peft_adapter(base, d, targets=("q_proj", "embed_tokens")), target_modules=".*(q_proj|embed_tokens)"))
+    assert "embed_tokens" in message and "is not a LoRA matrix of a layer's projection" in message
+
+
+def test_an_adapter_made_for_another_base_is_refused_by_its_shapes(tmp_path, llama_cfg):
+    """Wider hidden size, or more layers, than the served model: the message names the tensor and both shapes."""
+    wider, deeper = tmp_path / "wider", tmp_path / "deeper"
+    make_tiny_model("llama", wider, hidden_size=96)
+    make_tiny_model("llama", deeper, num_hidden_layers=3)
+    message = _refusal(tmp_path / "1", llama_cfg, lambda d: make_peft_adapter(wider, d))
+    assert "has shape [8, 96], the model needs [8, 64]" in message and "another base model" in message
+    message = _refusal(tmp_path / "2", llama_cfg, lambda d: make_peft_adapter(deeper, d))
+    assert "is for layer 2, but the model has 2 layers" in message
+
+
+def test_lora_request_is_vllms():
+    lora = LoRARequest("sql", 3, "/adapters/sql")
+    assert (lora.name, lora.id, lora.adapter_id, lora.path) == ("sql", 3, 3, "/adapters/sql")
+    assert lora == LoRARequest(lora_name="sql", lora_int_id=3, lora_path="/adapters/sql") and hash(lora)
+    for bad in (0, -1, True, "1"):
+        with pytest.raises(ValueError, match="lora_int_id"):
+            LoRARequest("sql", bad, "/adapters/sql")
+    with pytest.raises(ValueError, match="lora_name"):
+        LoRARequest("", 1, "/adapters/sql")
+
+
+def test_helper_adapters_change_greedy_tokens(tiny_model_dir, tmp_path):
+    """The parity tests would prove nothing if an adapter left the tokens as they were."""
+    base = tiny_model_dir("llama")
+    adapter_dir = make_peft_adapter(base, tmp_path / "adapter")
+    prompts = [[256, 72, 101, 108, 108, 111], [1, 2, 3, 4, 5, 6, 7, 8], [100, 50, 60]]
+    assert any(peft_greedy(base, None, p, 8) != peft_greedy(base, adapter_dir, p, 8) for p in prompts)
