@@ -75,3 +75,23 @@ def param_shapes(cfg: ModelConfig) -> dict:
 def param_specs(cfg: ModelConfig) -> dict:
     """The params pytree of `cfg` with a PartitionSpec at each leaf (over a mesh with `MODEL_AXIS`)."""
     return _leaves(param_layout(cfg), 1)
+
+
+def lora_layout(cfg: ModelConfig, max_loras: int, max_lora_rank: int) -> dict:
+    """One layer's LoRA adapter slots (ops/lora.py): per target module, A [in, S * r] and B [S * r, out]
+    (S = max_loras slots of rank r) with (shape, PartitionSpec). Under tensor parallelism each is split as
+    its projection is: B by output columns where the projection is (q/k/v, gate/up; A replicated), A by
+    input rows where it is (o_proj, down_proj; B replicated), so each delta is this device's share of its
+    projection's output (o/down: a partial sum, which the layer's all-reduce adds up)."""
+    width, hidden, inter = max_loras * max_lora_rank, cfg.hidden_size, cfg.intermediate_size
+    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+
+    def by_columns(out: int):
+        return ((hidden, width), _REPLICATED), ((width, out), P(None, MODEL_AXIS))
+
+    def by_rows(into: int):
+        return ((into, width), P(MODEL_AXIS, None)), ((width, hidden), _REPLICATED)
+
+    return {"q_proj": by_columns(q_dim), "k_proj": by_columns(kv_dim), "v_proj": by_columns(kv_dim),
+            "o_proj": by_rows(q_dim), "gate_proj": by_columns(inter), "up_proj": by_columns(inter),
+            "down_proj": by_rows(inter)}

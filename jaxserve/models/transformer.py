@@ -23,6 +23,7 @@ from jaxserve.ops.attention import AttentionMetadata
 from jaxserve.ops.attention_backends import paged_attention, write_kv
 from jaxserve.config.model_config import ModelConfig
 from jaxserve.ops.linear import matmul, silu_gated_matmul
+from jaxserve.ops.lora import GATE_UP, QKV, delta, fused_delta, with_lora
 from jaxserve.ops.packed_matmul import PackedWeight
 from jaxserve.ops.quantized import QuantizedWeight
 
@@ -130,11 +131,18 @@ MATRICES = ("w_qkv", "wo", "w_gate_up", "w_down")  # a layer's weight matrices, 
 COLUMN_SPLIT = ("w_qkv", "w_gate_up")  # split by output columns under tensor parallelism; wo and w_down by rows
 
 
-def _mlp(cfg: ModelConfig, lp, x, rows):
-    if cfg.hidden_act == "silu":
+def _mlp(cfg: ModelConfig, lp, x, rows, lora: dict | None = None, lora_mask=None):
+    """With `lora` (the layer's adapter slots, ops/lora.py): gate/up unfused, so that each delta lands
+    before the activation, and down_proj's delta added to this device's partial sum."""
+    if cfg.hidden_act == "silu" and lora is None:
         return matmul(silu_gated_matmul(x, lp["w_gate_up"], rows), lp["w_down"], rows)
-    gate, up = jnp.split(matmul(x, lp["w_gate_up"], rows), 2, axis=-1)
-    return matmul(jax.nn.gelu(gate, approximate=True) * up, lp["w_down"], rows)
+    gate_up = matmul(x, lp["w_gate_up"], rows)
+    if lora is not None:
+        gate_up = gate_up + fused_delta(x, lora, GATE_UP, lora_mask).astype(gate_up.dtype)
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
+    out = matmul(act * up, lp["w_down"], rows)
+    return out if lora is None else out + delta(act * up, *lora["down_proj"], lora_mask).astype(out.dtype)
 
 
 def _all_reduce(x, axis: str | None):
@@ -143,17 +151,26 @@ def _all_reduce(x, axis: str | None):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sliding", "q_tile", "kv_tile", "attention_backend",
-                                             "decode_only", "axis"))
-def _layer(h, k_pages, v_pages, lp, layer, cos, sin, md: AttentionMetadata, *, cfg: ModelConfig, sliding: bool,
-           q_tile: int, kv_tile: int, attention_backend: str, decode_only: bool, axis: str | None):
+                                             "decode_only", "axis", "lora_branches"))
+def _layer(h, k_pages, v_pages, lp, layer, cos, sin, md: AttentionMetadata, lora=None, *, cfg: ModelConfig,
+           sliding: bool, q_tile: int, kv_tile: int, attention_backend: str, decode_only: bool, axis: str | None,
+           lora_branches: bool = True):
     """One decoder layer. Jitted on its own so that tracing and lowering happen once per step
     function, not once per layer; XLA still inlines it into each layer's place. Under tensor
-    parallelism cfg is one device's share and the two all-reduces are the layer's only communication."""
+    parallelism cfg is one device's share and the two all-reduces are the layer's only communication.
+    lora: (the layer's adapter slots, mask [T, S * r], whether any token uses an adapter) or None
+    (ops/lora.py); each delta is added to its projection's output (before the all-reduce)."""
+    weights, mask, active = lora if lora is not None else (None, None, None)
+
+    def lora_added(y, add):  # add(y) where some token uses an adapter, else y
+        return y if lora is None else with_lora(lambda: y, lambda: add(y), active, lora_branches)
+
     num_tokens = h.shape[0]
     rows = md.cu_q_lens[-1]  # the real tokens; the packed CPU matmul skips the padding below them
     q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-    qkv = matmul(x, lp["w_qkv"], rows)
+    qkv = lora_added(matmul(x, lp["w_qkv"], rows),
+                     lambda y: y + fused_delta(x, weights, QKV, mask).astype(y.dtype))
     if cfg.attention_bias:
         qkv = qkv + lp["b_qkv"]
     q = qkv[:, :q_width].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
@@ -175,11 +192,16 @@ def _layer(h, k_pages, v_pages, lp, layer, cos, sin, md: AttentionMetadata, *, c
         backend=attention_backend,
         decode_only=decode_only,
     )
-    out = _all_reduce(matmul(attn.reshape(num_tokens, q_width), lp["wo"], rows), axis)
+    attn = attn.reshape(num_tokens, q_width)
+    out = _all_reduce(lora_added(matmul(attn, lp["wo"], rows),
+                                 lambda y: y + delta(attn, *weights["o_proj"], mask).astype(y.dtype)), axis)
     if cfg.sandwich_norm:
         out = rms_norm(out, lp["post_attn_norm"], cfg.rms_norm_eps)
     h = h + out
-    out = _all_reduce(_mlp(cfg, lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps), rows), axis)
+    x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+    mlp = functools.partial(_mlp, cfg, lp, x, rows)
+    out = _all_reduce(mlp() if lora is None else with_lora(mlp, lambda: mlp(weights, mask), active, lora_branches),
+                      axis)
     if cfg.sandwich_norm:
         out = rms_norm(out, lp["post_mlp_norm"], cfg.rms_norm_eps)
     return h + out, k_pages, v_pages
@@ -200,6 +222,8 @@ def forward(
     decode_only: bool = False,
     axis: str | None = None,
     return_hidden: bool = False,
+    lora_mask=None,  # [T, S * r]: each token's adapter slot's columns (ops/lora.py); None: no adapters
+    lora_branches: bool = True,
 ):
     """Runs the model over a ragged batch of tokens; returns (logits [S, vocab] f32, kv_cache), and with
     return_hidden the last layer's output of every token [T, hidden] too (before the final norm: what
@@ -210,6 +234,8 @@ def forward(
     promises at most one query row per sequence, which lets the Pallas backends use their decode kernel.
     axis: inside shard_map over that mesh axis (tensor_parallel.py), params, kv_cache and cfg are one
     device's share and the logits its slice of the vocabulary.
+    lora_mask: with params["lora"] (each layer's adapter slots, runner/lora_slots.py), every token gets
+    its slot's deltas; lora_branches: skip them on the device where no token uses one (ops/lora.py).
     """
     h = _embed(params, token_ids, axis)
     if cfg.embed_scale != 1.0:
@@ -223,12 +249,14 @@ def forward(
     global_rope = ropes["rope"]
     local_rope = ropes.get("local_rope", global_rope)
     k_pages, v_pages = kv_cache
+    lora_active = None if lora_mask is None else jnp.any(lora_mask != 0)
     for layer_id, lp in enumerate(params["layers"]):
         sliding = bool(cfg.layer_is_sliding[layer_id])
+        lora = None if lora_mask is None else (params["lora"][layer_id], lora_mask, lora_active)
         h, k_pages, v_pages = _layer(
-            h, k_pages, v_pages, lp, jnp.int32(layer_id), *(local_rope if sliding else global_rope), md,
+            h, k_pages, v_pages, lp, jnp.int32(layer_id), *(local_rope if sliding else global_rope), md, lora,
             cfg=cfg, sliding=sliding, q_tile=q_tile, kv_tile=kv_tile, attention_backend=attention_backend,
-            decode_only=decode_only, axis=axis,
+            decode_only=decode_only, axis=axis, lora_branches=lora_branches,
         )
 
     logits = lm_head_logits(params, cfg, h[logits_indices])

@@ -153,3 +153,21 @@ def shard_params(cfg: ModelConfig, layout: HeadLayout, params: dict, shard: int)
 
     layers = {name: cut(name, x) for name, x in params["layers"].items()}
     return {name: cut(name, x) for name, x in params.items() if name != "layers"} | {"layers": layers}
+
+
+# An adapter's matrix that is split under tensor parallelism (models/params.py's lora_layout), cut as the
+# loaded param of its projection: (0: A by rows, 1: B by columns, and the loaded param's name)
+_LORA_CUT_AS = {"q_proj": (1, "wq"), "k_proj": (1, "wk"), "v_proj": (1, "wv"), "o_proj": (0, "wo"),
+                "gate_proj": (1, "w_gate"), "up_proj": (1, "w_up"), "down_proj": (0, "w_down")}
+
+
+def padded_lora(cfg: ModelConfig, layout: HeadLayout, target: str, a: np.ndarray, b: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """An adapter's stacked A [L, in, r] and B [L, r, out] for `target` in the padded model's layout: its
+    split matrix cut for each device as its projection's loaded param is (heads reordered and padded, a
+    padded intermediate axis), the parts put back together along the split axis."""
+    which, name = _LORA_CUT_AS[target]
+    split = (a, b)[which]
+    parts = [shard_params(cfg, layout, {"layers": {name: split}}, shard)["layers"][name] for shard in range(layout.tp)]
+    whole = np.concatenate(parts, axis=1 + which)
+    return (whole, b) if which == 0 else (a, whole)
