@@ -14,7 +14,8 @@ from tiny_models import make_tiny_model
 
 from jaxserve import LoRARequest
 from jaxserve.lora import LoRAError
-from jaxserve.lora.peft_loader import TARGETS, load_adapter
+from jaxserve.lora.peft_loader import TARGETS, AdapterWeights, load_adapter
+from jaxserve.lora.residency import LoRAResidency
 from jaxserve.weights.hf import hf_dir_config
 
 ATTENTION, MLP = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
@@ -164,3 +165,98 @@ def test_helper_adapters_change_greedy_tokens(tiny_model_dir, tmp_path):
     adapter_dir = make_peft_adapter(base, tmp_path / "adapter")
     prompts = [[256, 72, 101, 108, 108, 111], [1, 2, 3, 4, 5, 6, 7, 8], [100, 50, 60]]
     assert any(peft_greedy(base, None, p, 8) != peft_greedy(base, adapter_dir, p, 8) for p in prompts)
+
+
+class _Loads:
+    """A `load` for LoRAResidency that counts its calls and refuses paths named "bad"."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def __call__(self, lora: LoRARequest) -> AdapterWeights:
+        self.calls.append(lora.name)
+        if lora.path == "bad":
+            raise LoRAError(f"LoRA adapter {lora.name!r}: bad")
+        return AdapterWeights(rank=1, targets={"q_proj": (np.zeros((1, 1, 1)), np.full((1, 1, 1), lora.id))})
+
+
+def _loras(count: int) -> list[LoRARequest]:
+    return [LoRARequest(f"a{i}", i, f"/adapters/a{i}") for i in range(1, count + 1)]
+
+
+def test_slots_are_given_to_free_slots_then_the_least_recently_used_unpinned_adapter():
+    a1, a2, a3, a4 = _loras(4)
+    residency = LoRAResidency(max_loras=2, max_cpu_loras=4, load=_Loads())
+    slot1, weights1 = residency.acquire(a1)
+    assert slot1 == 1 and weights1.targets["q_proj"][1].item() == 1
+    assert residency.acquire(a2)[0] == 2
+    assert residency.acquire(a1) == (1, None)  # resident: nothing to write; a1 is now the most recently used
+    assert residency.pinned("a1") == 2
+    assert residency.acquire(a3) is None  # both slots pinned: a3 waits (registered, not resident, not pinned)
+    assert residency.known("a3") == a3 and residency.pinned("a3") == 0
+    residency.release("a2")
+    assert residency.acquire(a3)[0] == 2 and residency.resident() == {"a1": 1, "a3": 2}
+    for _ in range(2):
+        residency.release("a1")
+    residency.release("a3")
+    residency.acquire(a3)
+    residency.release("a3")  # a1 is now least recently used, though its slot number is lower
+    assert residency.acquire(a4)[0] == 1 and residency.resident() == {"a3": 2, "a4": 1}
+    assert residency.pinned("a1") == 0 and residency.names() == ["a1", "a2", "a3", "a4"]
+
+
+def test_pinned_slots_are_never_evicted():
+    residency = LoRAResidency(max_loras=1, max_cpu_loras=3, load=_Loads())
+    a1, a2, a3 = _loras(3)
+    assert residency.acquire(a1)[0] == 1
+    assert residency.acquire(a2) is None and residency.acquire(a3) is None
+    assert residency.resident() == {"a1": 1} and residency.pinned("a2") == residency.pinned("a3") == 0
+    residency.release("a1")
+    assert residency.acquire(a2)[0] == 1 and residency.resident() == {"a2": 1}
+    with pytest.raises(AssertionError):
+        residency.release("a1")
+
+
+def test_the_host_cache_is_bounded_and_reloads_through_load():
+    loads = _Loads()
+    residency = LoRAResidency(max_loras=1, max_cpu_loras=2, load=loads)
+    a1, a2, a3 = _loras(3)
+    for lora in (a1, a2, a3):
+        residency.add(lora)
+        residency.add(lora)  # the same request again: nothing read
+    assert loads.calls == ["a1", "a2", "a3"] and residency.cached() == ["a2", "a3"]
+    assert residency.acquire(a2)[1] is not None and loads.calls == ["a1", "a2", "a3"]  # from the cache
+    residency.release("a2")
+    slot, weights = residency.acquire(a1)  # fell out of the cache: read again, a2's slot reused
+    assert slot == 1 and weights.targets["q_proj"][1].item() == 1 and loads.calls[-1] == "a1"
+    assert residency.cached() == ["a2", "a1"]
+
+
+def test_add_validates_and_refuses_a_second_adapter_under_a_name_or_id():
+    residency = LoRAResidency(max_loras=1, max_cpu_loras=1, load=_Loads())
+    with pytest.raises(LoRAError, match="'broken': bad"):
+        residency.add(LoRARequest("broken", 9, "bad"))
+    assert residency.known("broken") is None and residency.names() == []
+    residency.add(LoRARequest("a1", 1, "/one"))
+    with pytest.raises(ValueError, match="named 'a1' is already loaded"):
+        residency.add(LoRARequest("a1", 1, "/other"))
+    with pytest.raises(ValueError, match="lora_int_id=1 .* already the id of 'a1'"):
+        residency.acquire(LoRARequest("a2", 1, "/two"))
+    assert residency.known("a1") == LoRARequest("a1", 1, "/one")
+
+
+def test_an_adapter_removed_while_pinned_keeps_its_slot_until_released():
+    residency = LoRAResidency(max_loras=1, max_cpu_loras=1, load=_Loads())
+    a1, a2 = _loras(2)
+    residency.acquire(a1)
+    residency.acquire(a1)
+    assert residency.remove("a1") and not residency.remove("a1") and residency.names() == []
+    assert residency.acquire(a2) is None and residency.resident() == {"a1": 1}
+    with pytest.raises(ValueError, match="'a1' was unloaded but requests still run"):
+        residency.add(LoRARequest("a1", 1, "/new-path"))
+    residency.release("a1")
+    assert residency.resident() == {"a1": 1}  # one request still runs with it
+    residency.release("a1")
+    assert residency.resident() == {} and residency.acquire(a2)[0] == 1
+    residency.release("a2")
+    assert residency.remove("a2") and residency.resident() == {} and residency.cached() == []
