@@ -1,8 +1,11 @@
 """LoRA on the host: PEFT adapter directories read into A and B that give PEFT's own deltas, the adapters
-refused (each with a LoRAError naming the problem), LoRARequest, and the test helper's adapters."""
+refused (each with a LoRAError naming the problem), LoRARequest, the test helper's adapters, the
+device-slot and host-cache bookkeeping (LoRAResidency) and the LoRA engine settings and flags."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 
 import numpy as np
@@ -13,6 +16,7 @@ from lora_adapters import load_base, make_peft_adapter, peft_greedy
 from tiny_models import make_tiny_model
 
 from jaxserve import LoRARequest
+from jaxserve.config.engine_config import EngineConfig, add_engine_flags, engine_config_from_args, engine_config_from_kwargs
 from jaxserve.lora import LoRAError
 from jaxserve.lora.peft_loader import TARGETS, AdapterWeights, load_adapter
 from jaxserve.lora.residency import LoRAResidency
@@ -260,3 +264,58 @@ def test_an_adapter_removed_while_pinned_keeps_its_slot_until_released():
     assert residency.resident() == {} and residency.acquire(a2)[0] == 1
     residency.release("a2")
     assert residency.remove("a2") and residency.resident() == {} and residency.cached() == []
+
+
+def _flags(*argv: str) -> EngineConfig:
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    return engine_config_from_args(parser.parse_args(list(argv)))
+
+
+def test_lora_flags_take_vllms_two_forms_and_number_the_adapters():
+    cfg = _flags("--enable-lora", "--lora-modules", "sql=/adapters/sql",
+                 '{"name": "chat", "path": "/adapters/chat", "base_model_name": "base"}',
+                 "--max-loras", "2", "--max-lora-rank", "8", "--max-cpu-loras", "3")
+    assert cfg.lora_modules == (LoRARequest("sql", 1, "/adapters/sql"),
+                                LoRARequest("chat", 2, "/adapters/chat", base_model_name="base"))
+    assert (cfg.enable_lora, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras) == (True, 2, 8, 3)
+    default = _flags()
+    assert (default.enable_lora, default.lora_modules, default.max_loras, default.max_lora_rank,
+            default.max_cpu_loras) == (False, (), 1, 16, 1)
+    assert _flags("--max-loras", "4").max_cpu_loras == 4  # max_cpu_loras follows max_loras when unset
+    # `jaxserve generate`/`chat` hand the offline LLM the flags' config as a dict (dataclasses.asdict)
+    assert engine_config_from_kwargs(**dataclasses.asdict(cfg)) == cfg and hash(cfg)
+
+
+def test_lora_settings_as_llm_keyword_arguments():
+    cfg = engine_config_from_kwargs(enable_lora=True, max_loras=3, lora_modules=[
+        "a=/adapters/a", {"name": "b", "path": "/adapters/b"}, LoRARequest("c", 7, "/adapters/c")])
+    assert [(lora.name, lora.id, lora.path) for lora in cfg.lora_modules] == [
+        ("a", 1, "/adapters/a"), ("b", 2, "/adapters/b"), ("c", 7, "/adapters/c")]
+    assert engine_config_from_kwargs(enable_lora=True, lora_modules="a=/adapters/a").lora_modules == (
+        LoRARequest("a", 1, "/adapters/a"),)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(lora_modules=["a=/adapters/a"]), r"lora_modules \['a'\] need enable_lora=True"),
+    (dict(enable_lora=True, max_loras=2, max_cpu_loras=1), "self.max_cpu_loras=1 must be at least self.max_loras=2"),
+    (dict(enable_lora=True, max_loras=0), "self.max_loras=0 must be at least 1"),
+    (dict(enable_lora=True, max_lora_rank=0), "self.max_lora_rank=0 must be at least 1"),
+    (dict(enable_lora=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+     "enable_lora does not run with speculative decoding"),
+    (dict(enable_lora=True, nnodes=2, tensor_parallel_size=2, dist_init_addr="leader:5000"),
+     "enable_lora does not run on several hosts"),
+    (dict(enable_lora=True, lora_modules=["a"]), "lora_modules entry 'a' must be name=path or a JSON object"),
+    (dict(enable_lora=True, lora_modules=['{"name": "a"']), "lora_modules entry .* is not valid JSON"),
+    (dict(enable_lora=True, lora_modules=[{"name": "a", "path": "/p", "rank": 8}]), r"unknown fields \['rank'\]"),
+    (dict(enable_lora=True, lora_modules=["a=/one", "a=/two"]), "two adapters have the name 'a'"),
+    (dict(enable_lora=True, lora_modules=["a=/one", LoRARequest("b", 1, "/two")]), "two adapters have the lora_int_id 1"),
+])
+def test_lora_settings_refused_by_name(settings, message):
+    with pytest.raises(ValueError, match=message):
+        engine_config_from_kwargs(**settings)
+
+
+def test_a_bad_lora_modules_flag_is_an_error_naming_it():
+    with pytest.raises(ValueError, match="lora_modules entry 'sql' must be name=path"):
+        _flags("--enable-lora", "--lora-modules", "sql")

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from jaxserve.config.generation_config import check_generation_config, normalize_override, parse_override_flag
 from jaxserve.config.speculative import SpeculativeConfig
+from jaxserve.lora.request import LoRARequest, parse_lora_modules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,14 +98,15 @@ def _parse_speculative_config(text: str) -> SpeculativeConfig:
 
 def setting(default: Any, help: str, *, flag: bool = True, choices: tuple | None = None,
             parse: Callable[[str], Any] | None = None, unit_alias: tuple[str, int, str] | None = None,
-            short: str | None = None):
+            short: str | None = None, nargs: str | None = None):
     """Declares one engine setting. flag: whether the command line takes it, as `--the-name` (the
     field names are vLLM's, so the flags are too); parse: how a flag's text becomes the value (default:
     the field's type); unit_alias: a second flag for the same setting in another unit (flag, how many of
     the setting's units one of it is, the unit's name), kept for the command lines written before;
-    short: a short form of the flag (vLLM's, such as -tp)."""
+    short: a short form of the flag (vLLM's, such as -tp); nargs: argparse's, for a flag taking a list."""
     return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "choices": choices,
-                                                        "parse": parse, "unit_alias": unit_alias, "short": short})
+                                                        "parse": parse, "unit_alias": unit_alias, "short": short,
+                                                        "nargs": nargs})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +189,19 @@ class EngineConfig:
               "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5} (prompt lookup) or {\"method\": \"draft_model\", "
               "\"model\": DIR, \"num_speculative_tokens\": 4}; \"disable_by_batch_size\": N turns it off in steps "
               "of more than N sequences (default: off)", parse=_parse_speculative_config)
+    enable_lora: bool = setting(
+        False, "serve LoRA adapters (PEFT directories) beside the base model, chosen per request (the server's "
+               "model field, the offline lora_request); not with speculative decoding or several hosts")
+    lora_modules: tuple[LoRARequest, ...] | None = setting(
+        None, "LoRA adapters loaded at start, each name=path or a JSON object {\"name\": ..., \"path\": ..., "
+              "\"base_model_name\": ...}; each is a model of the server (needs --enable-lora)",
+        parse=str, nargs="+")
+    max_loras: int = setting(1, "most LoRA adapters in one batch: the device holds this many adapters' weights "
+                                "(requests for another adapter wait for a slot)")
+    max_lora_rank: int = setting(16, "largest rank (r) a LoRA adapter may have: the width of the device slots")
+    max_cpu_loras: int | None = setting(
+        None, "LoRA adapters whose weights stay read in host memory; others are read again from their directory "
+              "when they next need a slot (default: max_loras)")
     generation_config: str = setting(
         "auto", "where the sampling defaults of requests come from (for the fields a request leaves out): auto: the "
                 "model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, and "
@@ -212,6 +227,9 @@ class EngineConfig:
 
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         object.__setattr__(self, "override_generation_config", normalize_override(self.override_generation_config))
+        object.__setattr__(self, "lora_modules", parse_lora_modules(self.lora_modules))
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
         check_generation_config(self.generation_config)
         check(not (self.speculative_config and self.async_scheduling),
               "speculative decoding runs with synchronous scheduling: async_scheduling must be off (or unset) "
@@ -249,6 +267,15 @@ class EngineConfig:
         check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
               f"{self.kv_cache_memory_bytes=} must be positive")
         check(0 < self.gpu_memory_utilization <= 1, f"{self.gpu_memory_utilization=} must be in (0, 1]")
+        check(self.max_loras >= 1, f"{self.max_loras=} must be at least 1")
+        check(self.max_lora_rank >= 1, f"{self.max_lora_rank=} must be at least 1")
+        check(self.max_cpu_loras >= self.max_loras, f"{self.max_cpu_loras=} must be at least {self.max_loras=}")
+        check(self.enable_lora or not self.lora_modules,
+              f"lora_modules {[lora.name for lora in self.lora_modules]} need enable_lora=True (--enable-lora)")
+        check(not (self.enable_lora and self.speculative_config),
+              "enable_lora does not run with speculative decoding yet: leave speculative_config unset")
+        check(not (self.enable_lora and self.nnodes > 1),
+              f"enable_lora does not run on several hosts yet ({self.nnodes=}); serve adapters from one host")
         check(not (self.attention_backend == "pallas-interpret" and self.forbid_compilation_after_warmup),
               "attention_backend='pallas-interpret' compiles the GPU interpreter's helpers while it runs: "
               "it cannot be combined with forbid_compilation_after_warmup=True")
@@ -303,7 +330,7 @@ def add_engine_flags(parser: argparse.ArgumentParser, positional_model: bool = F
                                         "str | None": str}[f.type]
         help_text = meta["help"] if f.default is None else f"{meta['help']} (default: {f.default})"
         group.add_argument(*flags, dest=f.name, type=value_type, default=f.default, choices=meta["choices"],
-                           help=help_text)
+                           nargs=meta["nargs"], help=help_text)
         if meta["unit_alias"] is not None:
             alias, _, unit_name = meta["unit_alias"]
             group.add_argument(alias, dest=_unit_alias_dest(f.name), type=float, default=None, metavar=unit_name,
