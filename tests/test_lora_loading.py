@@ -70,7 +70,8 @@ def test_loaded_matrices_give_peft_deltas(tiny_model_dir, tmp_path, family, rank
 
 
 def test_bfloat16_adapter_reads_as_its_float32_values(tiny_model_dir, tmp_path):
-    """A bfloat16 adapter file (safetensors' numpy reader has no bfloat16) loads as the same numbers."""
+    """A bfloat16 adapter file (safetensors' numpy reader has no bfloat16) loads as the same numbers; so
+    does an adapter_model.bin."""
     from safetensors.torch import load_file, save_file
 
     adapter_dir = make_peft_adapter(tiny_model_dir("llama"), tmp_path / "adapter")
@@ -80,9 +81,13 @@ def test_bfloat16_adapter_reads_as_its_float32_values(tiny_model_dir, tmp_path):
     rounded = load_adapter(adapter_dir, cfg, 16)
     save_file({k: v.float() for k, v in load_file(file).items()}, file)
     exact = load_adapter(adapter_dir, cfg, 16)
+    torch.save(load_file(file), adapter_dir / "adapter_model.bin")  # PEFT's older format, read through torch
+    file.unlink()
+    from_bin = load_adapter(adapter_dir, cfg, 16)
     for target in ("q_proj", "v_proj"):
-        for ours, theirs in zip(rounded.targets[target], exact.targets[target]):
+        for ours, theirs, bin_ in zip(rounded.targets[target], exact.targets[target], from_bin.targets[target]):
             np.testing.assert_array_equal(ours, theirs)
+            np.testing.assert_array_equal(bin_, theirs)
 
 
 def _edit_config(adapter_dir, **changes):
