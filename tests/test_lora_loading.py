@@ -1,5 +1,5 @@
 """LoRA on the host: PEFT adapter directories read into A and B that give PEFT's own deltas, the adapters
-refused (each with a LoRAError naming the problem), LoRARequest, the test helper's adapters, the
+refused (each with a LoRAError naming the problem), LoRARequest, the adapters lora_adapters.py makes, the
 device-slot and host-cache bookkeeping (LoRAResidency) and the LoRA engine settings and flags."""
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def test_lora_request_is_vllms():
         LoRARequest("", 1, "/adapters/sql")
 
 
-def test_helper_adapters_change_greedy_tokens(tiny_model_dir, tmp_path):
+def test_made_adapters_change_greedy_tokens(tiny_model_dir, tmp_path):
     """The parity tests would prove nothing if an adapter left the tokens as they were."""
     base = tiny_model_dir("llama")
     adapter_dir = make_peft_adapter(base, tmp_path / "adapter")
