@@ -17,6 +17,7 @@ from jaxserve.config.engine_config import engine_config_from_kwargs
 from jaxserve.config.generation_config import SamplingDefaults, resolve_sampling_defaults
 from jaxserve.core.engine import LLMEngine
 from jaxserve.core.request import Logprob, Request
+from jaxserve.lora import LoRARequest
 from jaxserve.config.sampling_params import SamplingParams
 from jaxserve.weights import default_model_path
 
@@ -66,11 +67,14 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generates for every prompt (str or {"prompt_token_ids": [...]}); outputs in input order.
 
         `priority` (one int per prompt, lower first) only matters when requests compete for slots, and
         only under scheduling_policy="priority": otherwise a non-zero one is a ValueError (vLLM's rule).
+        `lora_request`: the LoRA adapter every prompt runs with, or one per prompt (None: the base model);
+        needs enable_lora. A new adapter is loaded on first use.
         """
         self._check_group()
         if isinstance(prompts, (str, dict)):
@@ -85,13 +89,19 @@ class LLM:
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"got {len(lora_request)} LoRA requests for {len(prompts)} prompts")
+        if any(lora_request) and not self.config.enable_lora:
+            raise ValueError("lora_request needs enable_lora=True")
         encoded = [self._encode(p) for p in prompts]
         # Validate everything before queueing anything, so a bad prompt leaves nothing behind.
         # n > 1: n requests with their own seeds; the prefix cache shares the prompt's pages.
         groups = []
-        for (_, ids), params, prio in zip(encoded, sampling_params, priority):
-            base = self.engine.make_request(ids, params, priority=prio)
-            groups.append([base] + [self.engine.make_request(ids, params, f"{base.request_id}-{i}", prio, i)
+        for (_, ids), params, prio, lora in zip(encoded, sampling_params, priority, lora_request):
+            base = self.engine.make_request(ids, params, priority=prio, lora_request=lora)
+            groups.append([base] + [self.engine.make_request(ids, params, f"{base.request_id}-{i}", prio, i, lora)
                                     for i in range(1, params.n)])
         requests = [r for group in groups for r in group]
         for request in requests:
@@ -101,8 +111,10 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
-        """Applies the chat template to one conversation or a list of them, then generates.
+             add_generation_prompt: bool = True, chat_template: str | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Applies the chat template to one conversation or a list of them, then generates (with
+        `lora_request`'s adapters, as `generate`).
 
         chat_template: a Jinja template to use instead of the model's own (vLLM's argument), for a
         model that ships none (many GGUF files) or to override it."""
@@ -118,7 +130,7 @@ class LLM:
         if sampling_params is None:  # the model's max_tokens, else up to the end of the context
             sampling_params = self.sampling_defaults.sampling_params(max_tokens=self.sampling_defaults.max_tokens(None))
         return self.generate([{"prompt": p, "add_special_tokens": False} for p in prompts],
-                             sampling_params, use_tqdm)
+                             sampling_params, use_tqdm, lora_request=lora_request)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() under the model's sampling defaults (`generation_config`, vLLM's method)."""

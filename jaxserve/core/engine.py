@@ -31,7 +31,9 @@ from jaxserve.parallel.tensor_parallel import request_cpu_devices
 from jaxserve.runner.page_pool import PagePool
 from jaxserve.core.output_processor import update_requests
 from jaxserve.core.prompt_logprobs import build_job, read_job, wants_prompt_logprobs
+from jaxserve.core.lora import EngineLoRA, check_lora_request, lora_api
 from jaxserve.core.request import Request, RequestStatus
+from jaxserve.lora import LoRARequest
 from jaxserve.config.sampling_params import SamplingParams
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.spec_decode.speculative import SpecDecodeStats, NgramProposer
@@ -66,7 +68,10 @@ class LLMEngine:
         self.leader: multihost.Leader | None = None  # set by from_config on a multi-host group's rank 0
         self.model = dataclasses.replace(model, params=None, draw=None)  # the runner holds them, in its own layout
         self.pool = PagePool(self.runner.num_pages, cfg.page_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(cfg, self.pool, self.runner.prefill_buckets)
+        self.lora = EngineLoRA(cfg, self.model_cfg) if cfg.enable_lora else None  # adapters: core/lora.py
+        for lora in cfg.lora_modules or ():  # served from the start (LoRAError if one cannot be)
+            self.lora.add(lora)
+        self.scheduler = Scheduler(cfg, self.pool, self.runner.prefill_buckets, self.lora)
         self.requests: dict[str, Request] = {}
         self.grammars = Grammars(model.tokenizer, self.model_cfg.vocab_size)  # structured output, compiled and cached
         self._rng = random.Random(cfg.seed)
@@ -136,10 +141,13 @@ class LLMEngine:
             return None
         return num_compilations() - self._compilations_after_warmup
 
-    def make_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                     request_id: str | None = None, priority: int = 0, sample_index: int = 0) -> Request:
-        """Validates a request without queueing it (safe from any thread); raises ValueError naming the problem."""
+    def make_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                     priority: int = 0, sample_index: int = 0, lora_request: LoRARequest | None = None) -> Request:
+        """Validates a request without queueing it (safe from any thread); raises ValueError naming the problem.
+        lora_request: the LoRA adapter it runs with, registered and loaded here if new (LoRAError if it
+        cannot be served)."""
         prompt = checked_prompt(prompt_token_ids, priority, self.cfg, self.model_cfg.vocab_size)
+        check_lora_request(self.lora, lora_request)
         room = self.cfg.max_model_len - len(prompt)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         with self._lock:
@@ -148,7 +156,7 @@ class LLMEngine:
         seed = (seed + sample_index * 0x9E3779B9) % 2**32  # n > 1: each sample its own stream
         check_sampling_params(params, self.model_cfg.vocab_size, self.cfg)  # after the draws: a refused request uses them up
         request = Request(request_id, prompt, params, seed=seed, max_tokens=max_tokens,
-                          eos_token_ids=self.model_cfg.eos_token_ids, priority=priority)
+                          eos_token_ids=self.model_cfg.eos_token_ids, priority=priority, lora_request=lora_request)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(prompt)
         if self.tokenizer is not None:
@@ -158,16 +166,30 @@ class LLMEngine:
         return request
 
     def add_request(self, prompt_token_ids: list[int] | Request, params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> Request:
+                    request_id: str | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> Request:
         """Validates (unless given a made Request) and queues one request. Call from the engine's thread."""
         request = prompt_token_ids
         if not isinstance(request, Request):
-            request = self.make_request(prompt_token_ids, params, request_id, priority)
+            request = self.make_request(prompt_token_ids, params, request_id, priority, lora_request=lora_request)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.scheduler.add_request(request)
         return request
+
+    # LoRA adapters, vLLM's calls (core/lora.py); call from the engine's thread
+    def add_lora(self, lora: LoRARequest) -> None:  # LoRAError if it cannot be served
+        lora_api(self.lora, "add_lora").add(lora)
+
+    def remove_lora(self, name: str) -> bool:  # running requests finish with it; False if unknown
+        return lora_api(self.lora, "remove_lora").remove(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return lora_api(self.lora, "list_loras").list()
+
+    def lora_stats(self) -> dict | None:  # the running and waiting requests' adapters (None: enable_lora off)
+        return self.lora and self.lora.stats(self.scheduler.running, self.scheduler.waiting)
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
@@ -216,6 +238,8 @@ class LLMEngine:
         """Which requests advance this step and by how many tokens; counts the step if any do."""
         clock = time.perf_counter()
         output = self.scheduler.schedule()
+        for slot, adapter in self.lora.take_writes() if self.lora else ():  # before the step that reads them
+            self.runner.write_lora(slot, adapter.targets)
         self.last_schedule = output
         self._timed("schedule", clock)
         if output.scheduled:
@@ -314,5 +338,6 @@ class LLMEngine:
             "device_kv_cache_bytes": self.runner.device_kv_cache_bytes,
             "quantization": quantization_in_use(self.runner),  # None: float weights
             "kv_cache_dtype": self.cfg.kv_cache_dtype,
+            "lora": self.lora_stats(),
         }
 

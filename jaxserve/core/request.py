@@ -11,6 +11,7 @@ import time
 
 from jaxserve.config.sampling_params import SamplingParams
 from jaxserve.core.structured_output import GrammarMatcher
+from jaxserve.lora import LoRARequest
 
 
 @dataclasses.dataclass
@@ -71,6 +72,14 @@ class Request:
     num_prompt_logprobs: int = 0
     detokenizer: object | None = None  # IncrementalDetokenizer, set by the engine
     grammar: GrammarMatcher | None = None  # set by the engine for structured output
+    lora_request: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)
+    lora_slot: int = 0  # the adapter's device slot while it runs (scheduler.py pins it); 0: none held
+
+    @property
+    def cache_key(self) -> str | None:
+        """What seeds its prefix-cache page hashes besides the tokens (page_pool.py): its adapter."""
+        lora = self.lora_request
+        return None if lora is None else f"lora\0{lora.lora_name}\0{lora.lora_path}"
 
     @property
     def output_text(self) -> str:

@@ -21,6 +21,7 @@ import logging
 from typing import Callable
 
 from jaxserve.config.engine_config import EngineConfig
+from jaxserve.core.lora import EngineLoRA
 from jaxserve.runner.page_pool import PagePool
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.ops.sampling import SamplerOutput
@@ -88,10 +89,12 @@ class _PartialPrefills:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, pool: PagePool, prefill_buckets: list[int] | None = None):
+    def __init__(self, cfg: EngineConfig, pool: PagePool, prefill_buckets: list[int] | None = None,
+                 lora: EngineLoRA | None = None):
         """prefill_buckets: the token counts prompt steps are padded to (the model runner's); with them,
-        a step that would be mostly padding takes fewer prompt tokens (see `_token_budget`)."""
-        self.cfg, self.pool = cfg, pool
+        a step that would be mostly padding takes fewer prompt tokens (see `_token_budget`). lora: the
+        engine's LoRA adapters (core/lora.py), whose device slots admission pins (enable_lora)."""
+        self.cfg, self.pool, self.lora = cfg, pool, lora
         self.prefill_buckets = sorted(prefill_buckets or [])
         # vLLM's partial-prefill limits: a prompt with more than `long_threshold` tokens left is long (0: none is)
         self.long_threshold = cfg.long_prefill_token_threshold or (
@@ -173,10 +176,11 @@ class Scheduler:
         while (j < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not preempted
                and prompt_step is not False and prefills.room):
             request = self.waiting[j]
-            if not prefills.admits(request):
+            if not prefills.admits(request) or not self._acquire_lora(request):  # no slot for its adapter: it waits
                 j += 1
                 continue
             if not self._admit(request, min(prefills.chunk(request), budget)):
+                self._release_lora(request)
                 break
             self.waiting.pop(j)
             num_new = min(prefills.chunk(request), budget)
@@ -207,7 +211,7 @@ class Scheduler:
 
     def _admit(self, request: Request, budget: int) -> bool:
         """Takes cached prefix pages and new pages for the first chunk; False (no change) if out of pages."""
-        request.page_hashes = self.pool.page_hashes_of(request.all_token_ids, request.page_hashes)
+        request.page_hashes = self.pool.page_hashes_of(request.all_token_ids, request.page_hashes, request.cache_key)
         max_cached_pages = (request.num_tokens - 1) // self.pool.page_size  # leave >= 1 token to compute
         if request.needs_prompt_logprobs:  # each prompt position must be computed (vLLM V1 does the same)
             max_cached_pages = 0
@@ -231,12 +235,25 @@ class Scheduler:
         self._cache_pages(request, request.num_computed_tokens + num_new)
         return True
 
+    def _acquire_lora(self, request: Request) -> bool:
+        """Pins a device slot holding the request's adapter (none for the base model); False if none is free."""
+        if request.lora_request is None:
+            return True
+        slot = self.lora.acquire(request.lora_request)
+        request.lora_slot = slot or 0
+        return slot is not None
+
+    def _release_lora(self, request: Request) -> None:
+        if request.lora_slot:
+            self.lora.release(request.lora_request)
+            request.lora_slot = 0
+
     def _cache_pages(self, request: Request, num_tokens: int) -> None:
         """Registers the pages this step fills (their tokens are known once scheduled)."""
         full = num_tokens // self.pool.page_size
         if full > len(request.page_hashes):
             request.page_hashes = self.pool.page_hashes_of(request.all_token_ids[: full * self.pool.page_size],
-                                                           request.page_hashes)
+                                                           request.page_hashes, request.cache_key)
         self.pool.cache_full_pages(request.page_table[:full], request.page_hashes[:full])
 
     def preempt(self, request: Request) -> None:
@@ -249,6 +266,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.pool.free(request.page_table)
+        self._release_lora(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         self._enqueue(request)
@@ -336,6 +354,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.pool.free(request.page_table)
+        self._release_lora(request)
 
 
 def _logprob_entry(sampled, row: int, num_top: int) -> dict[int, float]:

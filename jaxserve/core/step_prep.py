@@ -111,6 +111,7 @@ def scheduled_seq(request: Request, num_new: int, req_indices: ReqIndices, faile
             req_index=req_index,
             write_row=write_row,
             write_history=write_history,
+            lora_slot=request.lora_slot,
         )
     except Exception:  # noqa: BLE001 - one request's failure must not end the others' step
         logger.exception("request %s: preparing its step failed", request.request_id)

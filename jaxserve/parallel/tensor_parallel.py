@@ -132,7 +132,7 @@ class TensorParallel:
 
         def on_each_device(params, kv_cache, inputs):
             return forward(params, self.device_cfg, inputs.token_ids, inputs.positions, kv_cache, inputs.md,
-                           inputs.logits_indices, axis=MODEL_AXIS, **forward_kwargs)
+                           inputs.logits_indices, axis=MODEL_AXIS, lora_mask=inputs.lora_mask, **forward_kwargs)
 
         kv_specs = (KV_SPEC, KV_SPEC)
         out_specs = (VOCAB_SPEC, kv_specs) + ((P(),) if forward_kwargs.get("return_hidden") else ())
@@ -142,7 +142,8 @@ class TensorParallel:
     def step(self, params, kv_cache, inputs, *, sampler_branches: bool = True, **forward_kwargs):
         """model_runner's step on the mesh: `forward`, then each device samples from its slice of the
         vocabulary (`vocab_sharded_sample`); the sampled tokens are the same on every device."""
-        logits, kv_cache, *hidden = self.forward(params, kv_cache, inputs, **forward_kwargs)
+        logits, kv_cache, *hidden = self.forward(params, kv_cache, inputs, lora_branches=sampler_branches,
+                                                 **forward_kwargs)
         sample_on_each = functools.partial(vocab_sharded_sample, vocab_size=self.model_cfg.vocab_size,
                                            branches=sampler_branches)
         sampled = jax.shard_map(sample_on_each, mesh=self.mesh, in_specs=(VOCAB_SPEC, P()), out_specs=P(),

@@ -32,6 +32,7 @@ class BatchState(NamedTuple):
     block_tables: jax.Array  # [num_rows, pages_per_seq] int32: each row's page table
     sampling: SamplingTensors  # [num_rows] rows (`positions` unused: each step gives its own)
     last_tokens: jax.Array  # [max_num_seqs] int32: the latest step's sampled tokens, by row
+    lora_slots: jax.Array | None = None  # [num_rows] int32: each row's LoRA adapter slot (0: none); enable_lora only
 
 
 class RowUpdates(NamedTuple):
@@ -43,6 +44,7 @@ class RowUpdates(NamedTuple):
     block_tables: np.ndarray
     sampling: SamplingTensors
     history_lens: np.ndarray
+    lora_slots: np.ndarray | None = None  # [U] int32: the rows' LoRA adapter slots (enable_lora only)
 
 
 def write_rows(state: BatchState, updates: RowUpdates) -> BatchState:
@@ -56,8 +58,9 @@ def write_rows(state: BatchState, updates: RowUpdates) -> BatchState:
     keep = (updates.history_lens < 0)[:, None]
     current = state.sampling.history[jnp.minimum(req_indices, state.sampling.history.shape[0] - 1)]
     history = put(state.sampling.history, jnp.where(keep, current, updates.sampling.history))
+    lora_slots = None if state.lora_slots is None else put(state.lora_slots, updates.lora_slots)
     return state._replace(block_tables=put(state.block_tables, updates.block_tables),
-                          sampling=sampling._replace(history=history))
+                          sampling=sampling._replace(history=history), lora_slots=lora_slots)
 
 
 def gather(state: BatchState, req_indices, kv_lens) -> tuple[jax.Array, SamplingTensors]:

@@ -31,7 +31,7 @@ from jaxserve.config.model_config import ModelConfig
 from jaxserve.models.transformer import forward, init_kv_cache, rope_position_tables, serving_params
 from jaxserve.ops.sampling import PromptLogprobs, SamplerOutput, sample
 from jaxserve.parallel.tensor_parallel import TensorParallel
-from jaxserve.runner import compilation, device_batch, prompt_logprobs, step_inputs
+from jaxserve.runner import compilation, device_batch, lora_slots, prompt_logprobs, step_inputs
 from jaxserve.runner.device_batch import BatchState
 from jaxserve.runner.resolve import ResolvedConfig, resolve_config, size_pool
 from jaxserve.runner.step_inputs import ScheduledSeq, StepInputBuilder, StepInputs
@@ -54,23 +54,27 @@ def _step(params, kv_cache, inputs: StepInputs, *, cfg: ModelConfig, q_tile: int
     logits, kv_cache, *hidden = forward(
         params, cfg, inputs.token_ids, inputs.positions, kv_cache, inputs.md, inputs.logits_indices,
         q_tile=q_tile, kv_tile=kv_tile, attention_backend=attention_backend, decode_only=decode_only,
-        return_hidden=return_hidden,
+        return_hidden=return_hidden, lora_mask=inputs.lora_mask, lora_branches=sampler_branches,
     )
     return sample(logits, inputs.sampling, sampler_branches), kv_cache, *hidden
 
 
-def _batch_step(params, kv_cache, state: BatchState, packed: tuple[jax.Array, jax.Array], *, step: Callable):
+def _batch_step(params, kv_cache, state: BatchState, packed: tuple[jax.Array, jax.Array], *, step: Callable,
+                lora: tuple[int, int] | None = None):
     """`step` over the persistent device batch (`device_batch.py`): each sequence's page table and
     sampling settings come from its row there (its req_index), a token whose `prev_rows` entry is r >= 0
     is the one row r of the previous step sampled (asynchronous scheduling: the host has not read it),
-    and the sampled tokens go back into the state. `packed`: the step's inputs as `step_inputs.pack` gives them. Returns
+    and the sampled tokens go back into the state; lora (max_loras, max_lora_rank): each token runs with its
+    row's adapter slot (lora_slots.py). `packed`: the step's inputs as `step_inputs.pack` gives them. Returns
     (sampler output, kv_cache, state), and the last layer's output [T, hidden] where `step` gives it."""
     inputs = step_inputs.unpack(*packed)
     token_ids = jnp.where(inputs.prev_rows >= 0, state.last_tokens[jnp.maximum(inputs.prev_rows, 0)],
                           inputs.token_ids)
     block_tables, rows = device_batch.gather(state, inputs.req_indices, inputs.md.kv_lens)
+    lora_mask = None if lora is None else lora_slots.step_mask(state.lora_slots[inputs.req_indices],
+                                                               inputs.md.cu_q_lens, len(token_ids), *lora)
     sampled, kv_cache, *hidden = step(params, kv_cache, inputs._replace(
-        token_ids=token_ids, md=inputs.md._replace(block_tables=block_tables), sampling=rows))
+        token_ids=token_ids, md=inputs.md._replace(block_tables=block_tables), sampling=rows, lora_mask=lora_mask))
     state = device_batch.append_tokens(state, inputs.req_indices, inputs.md.kv_lens, inputs.samples,
                                        sampled.token_ids, rows)
     return sampled, kv_cache, state, *hidden
@@ -90,6 +94,10 @@ class ModelRunner:
         self.device_cfg = resolved.device_model
         self._take(resolved)
         self.params = self._serving_params(params, draw)
+        # LoRA adapters: every slot's A and B in params["lora"], each row's slot in the device batch
+        self.lora = lora_slots.LoRASlots(model_cfg, self.cfg, self.parallel) if self.cfg.enable_lora else None
+        if self.lora:
+            self.params = self.lora.attach(self.params)
         # What this process read of LazyTensor params (its devices' slices) out of the whole model's bytes
         self.weight_bytes_read, self.weight_bytes_total = lazy.bytes_read(params), lazy.total_bytes(params)
         # What each device holds (all of it on one device): weights with rope tables and replicated norms
@@ -100,7 +108,8 @@ class ModelRunner:
             step, jit = self.parallel.step, self.parallel.jit
         step = functools.partial(step, kv_tile=resolved.kv_tile, attention_backend=self.attention_backend,
                                  sampler_branches=resolved.sampler_branches)
-        batched = lambda **kwargs: functools.partial(_batch_step, step=functools.partial(step, **kwargs))  # noqa: E731
+        lora = (self.lora.max_loras, self.lora.rank) if self.lora else None
+        batched = lambda **kwargs: functools.partial(_batch_step, step=functools.partial(step, **kwargs), lora=lora)  # noqa: E731
         # A prefill step also hands out its last layer's output, which prompt logprobs read (prompt_logprobs.py)
         jit_prefill = functools.partial(self.parallel.jit, with_hidden=True) if self.parallel else jit
         self._prefill = jit_prefill(batched(q_tile=self.cfg.prefill_query_tile, return_hidden=True))
@@ -218,6 +227,8 @@ class ModelRunner:
             if num_updates not in self._row_writers:
                 self._row_writers[num_updates] = self._write_rows.trace(
                     self._state_shapes(), self.inputs.update_shapes(num_updates)).lower().compile()
+        if self.lora:
+            self.lora.compile()
         summary = {
             "num_executables": len(self._executables),
             "num_row_writers": len(self._row_writers),
@@ -288,6 +299,11 @@ class ModelRunner:
             self.params, self.kv_cache, self.batch_state, step_inputs.pack(inputs))
         self._hidden = (bucket, hidden[0]) if hidden else None
         return output
+
+    def write_lora(self, slot: int, targets: dict) -> None:
+        """Writes an adapter's matrices (`AdapterWeights.targets`) into device slot `slot` (1..max_loras),
+        in place, ordered after the steps launched before it."""
+        self.params["lora"] = self.lora.write(self.params["lora"], slot, targets)
 
     # -- prompt logprobs (prompt_logprobs.py) -------------------------------------------------------
 

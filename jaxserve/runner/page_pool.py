@@ -57,11 +57,15 @@ class PagePool:
 
     # -- prefix cache -------------------------------------------------------------------------------
 
-    def page_hashes_of(self, token_ids: list[int], known: list[PageHash]) -> list[PageHash]:
-        """Extends `known` (the hashes of the first pages) to cover every full page of `token_ids`."""
+    def page_hashes_of(self, token_ids: list[int], known: list[PageHash], extra_key: str | None = None
+                       ) -> list[PageHash]:
+        """Extends `known` (the hashes of the first pages) to cover every full page of `token_ids`.
+        extra_key (a request's LoRA adapter) seeds the chain: pages computed under different keys hold
+        different K/V for the same tokens, so their hashes never match."""
         hashes = list(known)
+        seed = None if extra_key is None else hashlib.sha256(extra_key.encode()).digest()
         for start in range(len(hashes) * self.page_size, len(token_ids) - self.page_size + 1, self.page_size):
-            hashes.append(hash_page(hashes[-1] if hashes else None, token_ids[start:start + self.page_size]))
+            hashes.append(hash_page(hashes[-1] if hashes else seed, token_ids[start:start + self.page_size]))
         return hashes
 
     def lookup(self, hashes: list[PageHash], max_pages: int) -> list[int]:

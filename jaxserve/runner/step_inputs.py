@@ -51,6 +51,7 @@ class ScheduledSeq:
     req_index: int | None = None
     write_row: bool = True
     write_history: bool = True
+    lora_slot: int = 0  # the device slot of its LoRA adapter (runner/lora_slots.py); 0: the base model
 
 
 class StepInputs(NamedTuple):
@@ -65,6 +66,7 @@ class StepInputs(NamedTuple):
     req_indices: np.ndarray | None = None  # [S] int32: each sequence's row in the device batch
     samples: np.ndarray | None = None  # [S] bool: the row's sampled token is real
     row_updates: RowUpdates | None = None  # written before the step (not an input of its executable)
+    lora_mask: np.ndarray | None = None  # [T, S * r]: built on the device from the rows' adapter slots (ops/lora.py)
 
 
 def pack(inputs: StepInputs) -> tuple[np.ndarray, np.ndarray]:
@@ -115,10 +117,11 @@ class StepInputBuilder:
         """Row updates are padded to a power of two (one small executable each, compiled at warm-up)."""
         return [1 << i for i in range((self.cfg.max_num_seqs - 1).bit_length() + 1)]
 
-    def initial_state(self) -> tuple[np.ndarray, SamplingTensors, np.ndarray]:
-        """The device batch's host arrays (`device_batch.BatchState`): every row inert."""
+    def initial_state(self) -> tuple[np.ndarray, SamplingTensors, np.ndarray, np.ndarray | None]:
+        """The device batch's host arrays (`device_batch.BatchState`): every row inert (the base model)."""
         return (np.full((self.num_rows, self.cfg.pages_per_seq), DUMMY_PAGE, np.int32),
-                self.empty_sampling(self.num_rows), np.zeros(self.cfg.max_num_seqs, np.int32))
+                self.empty_sampling(self.num_rows), np.zeros(self.cfg.max_num_seqs, np.int32),
+                np.zeros(self.num_rows, np.int32) if self.cfg.enable_lora else None)
 
     def shapes(self, num_tokens: int, num_seqs: int) -> StepInputs:
         """ShapeDtypeStructs of a bucket's inputs, for compiling it."""
@@ -141,7 +144,8 @@ class StepInputBuilder:
     def _empty_updates(self, num_updates: int) -> RowUpdates:
         return RowUpdates(np.full(num_updates, self.num_rows, np.int32),  # out of range: dropped
                           np.full((num_updates, self.cfg.pages_per_seq), DUMMY_PAGE, np.int32),
-                          self.empty_sampling(num_updates), np.full(num_updates, -1, np.int32))
+                          self.empty_sampling(num_updates), np.full(num_updates, -1, np.int32),
+                          np.zeros(num_updates, np.int32) if self.cfg.enable_lora else None)
 
     def empty_sampling(self, num_seqs: int) -> SamplingTensors:
         """Host arrays for `num_seqs` inert rows (greedy, everything off)."""
@@ -214,6 +218,8 @@ class StepInputBuilder:
         updates.req_indices[u] = req_index
         updates.block_tables[u, :len(s.page_table)] = s.page_table
         self.fill_sampling_row(updates.sampling, u, s)
+        if updates.lora_slots is not None:
+            updates.lora_slots[u] = s.lora_slot
         if s.write_history or s.req_index is None:
             updates.history_lens[u] = 0 if s.history is None else len(s.history)
 
