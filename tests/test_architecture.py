@@ -46,7 +46,7 @@ LAYERS = (
     (("jaxserve.runner",),),  # the device side of a step
     (("jaxserve.models", "jaxserve.weights", "jaxserve.parallel"),),  # the model, its weights, its sharding
     (("jaxserve.ops", "pallas_kernels"),),  # attention, kernels, the sampler
-    (("jaxserve.config", "jaxserve.errors", "jaxserve.log"),),  # settings, errors, start-up lines
+    (("jaxserve.config", "jaxserve.lora", "jaxserve.errors", "jaxserve.log"),),  # settings, adapters, errors, start-up lines
 )
 
 

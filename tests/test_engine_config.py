@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from jaxserve.config.speculative import SpeculativeConfig
+from jaxserve.lora import LoRARequest
 
 from jaxserve import LLM
 from jaxserve.cli import build_parser
@@ -47,7 +48,8 @@ def test_the_flags_in_use_keep_their_names_and_meaning(command):
 SPECIAL_VALUES = {"kv_cache_memory_bytes": "1GiB", "gpu_memory_utilization": "0.5", "tensor_parallel_size": "2",
                   "nnodes": "2", "node_rank": "1", "dist_init_addr": "leader:1234",
                   "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}',
-                  "generation_config": "vllm", "override_generation_config": '{"temperature": 0.5}'}
+                  "generation_config": "vllm", "override_generation_config": '{"temperature": 0.5}',
+                  "lora_modules": "sql=/adapters/sql"}
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
@@ -62,10 +64,13 @@ def test_every_command_line_setting_is_a_flag_of_every_command(command, field):
     choices = field.metadata["choices"]
     value = choices[-1] if choices else SPECIAL_VALUES.get(field.name, "64")
     expected = {"kv_cache_memory_bytes": parse_size, "dist_init_addr": str,
-                "speculative_config": SpeculativeConfig.parse, "override_generation_config": str}.get(
+                "speculative_config": SpeculativeConfig.parse, "override_generation_config": str,
+                "lora_modules": lambda v: (LoRARequest("sql", 1, "/adapters/sql"),)}.get(
         field.name, str if choices else type(field.default or 0))(value)
     group = ["-tp", "2", "--nnodes", "2", "--dist-init-addr", "leader:1234"]  # what the multi-host flags need
     others = group if field.name in ("nnodes", "node_rank", "dist_init_addr") else []
+    if field.name == "lora_modules":  # adapters need --enable-lora
+        others = ["--enable-lora"]
     assert getattr(_config(*command, *others, flag, value), field.name) == expected
 
 
