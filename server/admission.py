@@ -18,6 +18,7 @@ from typing import Callable, TypeVar
 
 from jaxserve.core.engine_loop import EngineLoop, EngineStuck, RequestStream, StreamDelta
 from jaxserve.errors import InvalidParameter
+from jaxserve.lora import LoRARequest
 from jaxserve.config.sampling_params import SamplingParams
 from server.errors import APIError
 from server.metrics import Metrics
@@ -81,11 +82,13 @@ class ServerState:
 
 
 class Submission(list):
-    """The streams of one HTTP request; `close()` aborts unfinished ones and releases capacity, once."""
+    """The streams of one HTTP request; `close()` aborts unfinished ones and releases capacity, once.
+    `model_name`: what its response names as the model (a LoRA adapter's name, or the base model's)."""
 
-    def __init__(self, state: ServerState, streams: list[RequestStream]):
+    def __init__(self, state: ServerState, streams: list[RequestStream], model_name: str | None = None):
         super().__init__(streams)
         self.state, self.closed = state, False
+        self.model_name = model_name or state.model_name
         state.num_in_flight += len(streams)
         state.open_submissions.add(self)
 
@@ -108,8 +111,10 @@ class Submission(list):
             stream.put(StreamDelta([], error=error))
 
 
-def submit(state: ServerState, prompts: list[list[int]], params: SamplingParams, priority: int) -> Submission:
-    """Admits one HTTP request's `len(prompts) * n` sequences or raises 400 / 503."""
+def submit(state: ServerState, prompts: list[list[int]], params: SamplingParams, priority: int,
+           lora_request: LoRARequest | None = None) -> Submission:
+    """Admits one HTTP request's `len(prompts) * n` sequences (run with `lora_request`'s adapter, if
+    given) or raises 400 / 503."""
     count = len(prompts) * params.n
     if count > state.capacity:
         raise APIError(400, f"the request asks for {count} sequences (prompts x n), more than this server "
@@ -126,7 +131,8 @@ def submit(state: ServerState, prompts: list[list[int]], params: SamplingParams,
     try:
         for p, ids in enumerate(prompts):
             for i in range(params.n):
-                streams.append(state.engine_loop.submit(ids, params, f"{base}-{p}-{i}", priority, loop, i))
+                streams.append(state.engine_loop.submit(ids, params, f"{base}-{p}-{i}", priority, loop, i,
+                                                        lora_request=lora_request))
     except (ValueError, RuntimeError) as e:
         for stream in streams:
             state.engine_loop.abort(stream.request_id)
@@ -136,4 +142,4 @@ def submit(state: ServerState, prompts: list[list[int]], params: SamplingParams,
             raise APIError(400, str(e), "prompt") from None
         raise APIError(503, "the engine is not running") from None
     state.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts) * params.n)
-    return Submission(state, streams)
+    return Submission(state, streams, None if lora_request is None else lora_request.lora_name)

@@ -27,6 +27,7 @@ from jaxserve.config.generation_config import SamplingDefaults
 from jaxserve.core.engine_loop import EngineLoop
 from server import prompts as edge
 from server.admission import ServerState, Submission, submit
+from server.lora import ServedLoRAs, lora_router
 from server.errors import APIError, APIKeyMiddleware, BodySizeLimitMiddleware, error_response, install_error_handlers
 from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from server.responses import ChatFormat, ChoiceFormat, CompletionFormat, whole_response
@@ -77,6 +78,8 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_b
                   description="OpenAI-compatible API of the jaxserve inference engine", strict_content_type=True)
     state = ServerState(engine_loop, served_model_name, max_queued_requests)
     state.sampling_defaults = sampling_defaults or SamplingDefaults()  # every route's sampling_params reads it
+    state.loras = ServedLoRAs(engine_loop, served_model_name, state.engine.cfg.enable_lora)  # check_model reads it
+    state.loras.start()
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
         raise ValueError(f"unknown tool_call_parser {tool_call_parser!r}; known: {', '.join(PARSERS)}")
     if allowed_hosts is not None:
@@ -117,11 +120,8 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_b
                 "version": jaxserve.__version__, **state.sampling_defaults.server_info()}
 
     @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "jaxserve",
-            "root": state.engine.model.source, "max_model_len": state.max_model_len,
-        }]}
+    async def models():  # the base model, then each LoRA adapter with its parent (lora.py)
+        return {"object": "list", "data": state.loras.cards(state.created, state.max_model_len)}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -148,7 +148,7 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_b
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
-        edge.check_model(state, body.model)
+        lora = edge.check_model(state, body.model)
         if body.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
         if body.max_tokens == 0 and not body.echo:
@@ -167,11 +167,11 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_b
             edge.check_context(state, len(ids), max_tokens, "prompt")
         echo = [await state.run_blocking(state.tokenizer.decode, ids) if body.echo else "" for ids in prompts]
         fmt = CompletionFormat(state.tokenizer, len(prompts) * body.n, echo, body.n, body.logprobs, prompts, echo_only)
-        return await _generate(state, raw, body, prompts, params, fmt)
+        return await _generate(state, raw, body, prompts, params, fmt, lora)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        edge.check_model(state, body.model)
+        lora = edge.check_model(state, body.model)
         max_tokens = body.max_completion_tokens or body.max_tokens
         num_top = (body.top_logprobs or 0) if body.logprobs else None
         calling = tool_calling(body, tool_call_parser, state.tokenizer)
@@ -185,16 +185,19 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_b
                                          body.continue_final_message, calling and calling.tools)
         edge.check_context(state, len(ids), max_tokens, "messages")
         fmt = ChatFormat(state.tokenizer, body.n, num_top, calling)
-        return await _generate(state, raw, body, [ids], params, fmt)
+        return await _generate(state, raw, body, [ids], params, fmt, lora)
 
     app.include_router(responses_router(state, tool_call_parser))  # /v1/responses: responses_api.py
+    if state.loras.enabled:  # /v1/load_lora_adapter and /v1/unload_lora_adapter: lora.py
+        app.include_router(lora_router(state.loras))
     return app
 
 
 async def _generate(state: ServerState, raw: Request, body, prompts: list[list[int]], params,
-                    fmt: ChoiceFormat):
-    """Admits the request's sequences and answers with their output, whole or streamed."""
-    submission: Submission = submit(state, prompts, params, body.priority)
+                    fmt: ChoiceFormat, lora=None):
+    """Admits the request's sequences (with `lora`'s adapter, if given) and answers with their output,
+    whole or streamed."""
+    submission: Submission = submit(state, prompts, params, body.priority, lora)
     try:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -203,4 +206,4 @@ async def _generate(state: ServerState, raw: Request, body, prompts: list[list[i
     except BaseException:
         submission.close()
         raise
-    return whole_response(fmt, state.model_name, results, prompts)
+    return whole_response(fmt, submission.model_name, results, prompts)

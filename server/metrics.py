@@ -5,7 +5,8 @@ engine's own state (running/waiting requests, KV usage, prefix cache, preemption
 time from the stats snapshot the engine loop publishes (`EngineLoop.stats`): the event loop never
 calls into the engine, and the engine thread does no metrics work. Speculative decoding's counters
 (drafts, draft tokens, accepted tokens, and accepted tokens by draft position, vLLM's `position` label
-counting from 0) appear only on a server that speculates.
+counting from 0) appear only on a server that speculates, vLLM's `lora_requests_info` only on a server
+with --enable-lora.
 """
 
 from __future__ import annotations
@@ -59,6 +60,19 @@ class _EngineCollector:
         spec = stats.get("spec_decode")  # None (or, from an engine that predates it, absent): no speculation
         if spec is not None:
             yield from _spec_decode_counters(spec)
+        if stats.get("lora") is not None:  # a server with --enable-lora
+            yield _lora_info(stats["lora"])
+
+
+def _lora_info(lora: dict) -> GaugeMetricFamily:
+    """vLLM's lora_requests_info: the adapters of the running and of the waiting requests (names joined by
+    commas) and max_lora in the labels; the value is the time of the snapshot, as vLLM sets it, so the
+    newest series is the one with the largest value."""
+    info = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on LoRA requests",
+                             labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+    info.add_metric([",".join(lora["running_lora_adapters"]), ",".join(lora["waiting_lora_adapters"]),
+                     str(lora["max_lora"])], lora["time"])
+    return info
 
 
 def _spec_decode_counters(spec: dict):

@@ -12,6 +12,7 @@ import dataclasses
 import json
 
 from jaxserve.config.generation_config import SamplingDefaults
+from jaxserve.lora import LoRARequest
 from jaxserve.errors import InvalidParameter
 from jaxserve.config.sampling_params import SamplingParams
 from jaxserve.config.sampling_params import StructuredOutputsParams
@@ -20,9 +21,9 @@ from server.errors import APIError
 from server.protocol import ChatMessage, SamplingFields
 
 
-def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}", "model")
+def check_model(state: ServerState, model: str | None) -> LoRARequest | None:
+    """The LoRA adapter a request's `model` names (None: the base model); any other name is a 404."""
+    return state.loras.resolve(model)
 
 
 def check_token_ids(state: ServerState, ids: list[int], param: str) -> None:

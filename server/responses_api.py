@@ -70,7 +70,7 @@ def responses_router(state: ServerState, tool_call_parser: str | None) -> APIRou
 
     @router.post("/v1/responses")
     async def create_response(body: ResponsesRequest, raw: Request):
-        edge.check_model(state, body.model)
+        lora = edge.check_model(state, body.model)
         for name, why in RESPONSES_REFUSED.items():
             if getattr(body, name) is not None:
                 raise APIError(400, f"{name} is not supported by jaxserve ({why})", name)
@@ -91,14 +91,14 @@ def responses_router(state: ServerState, tool_call_parser: str | None) -> APIRou
         except APIError as e:
             raise renamed(e) from None
         fmt = ChatFormat(state.tokenizer, 1, None, calling)
-        builder = ResponseBuilder(response_header(body, state.model_name))
+        builder = ResponseBuilder(response_header(body, state.loras.model_name(lora)))
 
         def on_done(response: dict) -> None:
             if body.store:
                 output = OUTPUT_ITEMS.validate_python(response["output"])
                 store.put(response, conversation + input_messages(output, check_arguments=False))
 
-        submission = submit(state, [ids], params, body.priority)
+        submission = submit(state, [ids], params, body.priority, lora)
         try:
             if body.stream:
                 return submission_stream(event_stream(state, submission, builder, fmt, len(ids), on_done), submission)

@@ -130,7 +130,7 @@ async def _sse_body(state: ServerState, submission: Submission, fmt: ChoiceForma
     results = [Result() for _ in submission]
 
     def event(choices: list[dict], usage_: dict | None = None) -> str:
-        return f"data: {json.dumps(fmt.envelope(rid, created, state.model_name, choices, usage_, chunk=True))}\n\n"
+        return f"data: {json.dumps(fmt.envelope(rid, created, submission.model_name, choices, usage_, chunk=True))}\n\n"
 
     try:
         for i in range(len(submission)):

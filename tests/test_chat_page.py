@@ -47,7 +47,7 @@ STATS = re.compile(r"^\d+ tokens? · first token \d+\.\d\d s · \d+\.\d tokens/s
 
 def _stub_engine_loop():
     """What create_app reads of an engine loop; the page's routes never reach the engine."""
-    engine = SimpleNamespace(tokenizer=None, cfg=SimpleNamespace(max_model_len=64, max_num_seqs=1),
+    engine = SimpleNamespace(tokenizer=None, cfg=SimpleNamespace(max_model_len=64, max_num_seqs=1, enable_lora=False),
                              model_cfg=SimpleNamespace(vocab_size=16))
     return SimpleNamespace(engine=engine, is_alive=True)
 

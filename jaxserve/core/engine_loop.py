@@ -27,6 +27,7 @@ data-parallel launcher restarts a replica whose /health stays 503).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -160,6 +161,8 @@ class EngineLoop:
         for command, arg in self._queued_commands():
             if command == "add":
                 arg.put(StreamDelta([], error=error))
+            elif command == "call":
+                arg[0].set_exception(RuntimeError("the engine loop is not running"))
 
     def _queued_commands(self):
         """Takes the queued commands, oldest first, until the queue is empty."""
@@ -173,11 +176,13 @@ class EngineLoop:
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                priority: int = 0, loop: asyncio.AbstractEventLoop | None = None,
-               sample_index: int = 0) -> RequestStream:
-        """Validates now (raising ValueError to the caller) and queues the request for the engine."""
+               sample_index: int = 0, lora_request=None) -> RequestStream:
+        """Validates now (raising ValueError to the caller) and queues the request for the engine.
+        `lora_request`: the LoRA adapter it runs with (a `jaxserve.lora.LoRARequest`; None: the base model)."""
         if not self.is_alive:
             raise RuntimeError("the engine loop is not running") from self.error
-        request = self.engine.make_request(prompt_token_ids, params, request_id, priority, sample_index)
+        lora = {} if lora_request is None else {"lora_request": lora_request}
+        request = self.engine.make_request(prompt_token_ids, params, request_id, priority, sample_index, **lora)
         stream = RequestStream(request, loop)
         self._commands.put(("add", stream))
         self._wakeup.set()
@@ -189,6 +194,18 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
         self._wakeup.set()
+
+    def call(self, fn, *args) -> concurrent.futures.Future:
+        """Runs `fn(*args)` on the engine's thread between two steps (what changes the engine's state
+        outside requests: LoRA adapters loaded and unloaded); the future holds its result or exception."""
+        if not self.is_alive:
+            raise RuntimeError("the engine loop is not running") from self.error
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", (future, fn, args)))
+        self._wakeup.set()
+        if not self.is_alive:  # as submit: it may have died after its last drain of the queue
+            self._end_all(self.error or RuntimeError("the engine is shutting down"))
+        return future
 
     # -- the engine's thread ------------------------------------------------------------------------
 
@@ -251,6 +268,13 @@ class EngineLoop:
                     continue
                 self._streams[arg.request_id] = arg
                 self._sent[arg.request_id] = (0, 0)
+            elif command == "call":
+                future, fn, args = arg
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(*args))
+                    except Exception as e:  # noqa: BLE001 - the caller's error, not the loop's
+                        future.set_exception(e)
             elif command == "abort":
                 stream = self._streams.pop(arg, None)
                 self._sent.pop(arg, None)
