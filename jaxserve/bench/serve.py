@@ -12,7 +12,8 @@ jaxserve server then also says how long its steps spent computing the grammars' 
 A server that speculates (jaxserve's or vLLM's spec_decode counters on /metrics) gets its acceptance
 rate, mean acceptance length and per-position acceptance over the timed part reported too;
 `--dataset-name grounded` sends prompts whose answers repeat them, the workload that prompt lookup
-speeds up (datasets.py).
+speeds up (datasets.py). `--lora-modules a b` sends each request to one of those LoRA adapters, picked
+at random (seeded), as its `model` (vLLM bench serve's flag); the warm-ups go to each adapter in turn.
 """
 
 from __future__ import annotations
@@ -91,6 +92,18 @@ async def send_request(client, url: str, body: dict, request: BenchRequest) -> R
     return result
 
 
+def request_models(model: str, lora_modules: list[str] | None, num_requests: int, seed: int,
+                   warmup: bool = False) -> list[str]:
+    """Each request's `model`: `model`, or with `lora_modules` one of them at random (seeded), or for the
+    warm-ups each in turn, so that every adapter is loaded before the timed part."""
+    if not lora_modules:
+        return [model] * num_requests
+    if warmup:
+        return [lora_modules[i % len(lora_modules)] for i in range(num_requests)]
+    rng = np.random.default_rng([seed, 1])  # not the arrivals' stream: the same picks whatever the request rate
+    return [lora_modules[i] for i in rng.integers(len(lora_modules), size=num_requests)]
+
+
 def constrained(requests: list[BenchRequest], ratio: float) -> list[BenchRequest]:
     """`requests` with an even share `ratio` of them asking for JSON: an array of output_len integers,
     more tokens than max_tokens lets them write, so they run as long as the free ones."""
@@ -128,8 +141,8 @@ async def scrape_metrics(client, base_url: str) -> dict[tuple[str, tuple], float
 async def run_once(base_url: str, endpoint: str, model: str, requests: list[BenchRequest], *,
                    max_concurrency: int | None, request_rate: float, ignore_eos: bool, seed: int,
                    warmups: list[BenchRequest] = (), api_key: str | None = None,
-                   progress: bool = True) -> tuple[list, float, dict]:
-    """Sends every request; returns (results in dataset order, wall seconds from first send to last answer,
+                   progress: bool = True, lora_modules: list[str] | None = None) -> tuple[list, float, dict]:
+    """Sends every request (to `model`, or with `lora_modules` to those adapters: `request_models`); returns (results in dataset order, wall seconds from first send to last answer,
     what the server's /metrics says of those seconds: the engine's busy fractions if it is jaxserve, the
     speculative decoding figures if it speculates; empty otherwise)."""
     import httpx
@@ -140,12 +153,14 @@ async def run_once(base_url: str, endpoint: str, model: str, requests: list[Benc
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
     semaphore = asyncio.Semaphore(limit)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits, headers=headers) as client:
-        async def limited(request: BenchRequest) -> RequestResult:
+        async def limited(request: BenchRequest, request_model: str) -> RequestResult:
             async with semaphore:
-                return await send_request(client, url, _payload(endpoint, model, request, ignore_eos), request)
+                return await send_request(client, url, _payload(endpoint, request_model, request, ignore_eos),
+                                          request)
 
         if warmups:
-            warm = await asyncio.gather(*map(limited, warmups))
+            warm = await asyncio.gather(*map(limited, warmups, request_models(model, lora_modules, len(warmups),
+                                                                              seed, warmup=True)))
             if not any(r.success for r in warm):
                 raise RuntimeError(f"every warm-up request failed; the first: {warm[0].error}")
 
@@ -153,16 +168,16 @@ async def run_once(base_url: str, endpoint: str, model: str, requests: list[Benc
         bar = tqdm(total=len(requests), desc=f"benchmark (concurrency {max_concurrency or 'inf'})", unit="req",
                    disable=not progress)
 
-        async def tracked(request: BenchRequest) -> RequestResult:
-            result = await limited(request)
+        async def tracked(request: BenchRequest, request_model: str) -> RequestResult:
+            result = await limited(request, request_model)
             bar.update(1)
             return result
 
         metrics_before = await scrape_metrics(client, base_url)
         start = time.perf_counter()
         tasks = []
-        for request in requests:
-            tasks.append(asyncio.create_task(tracked(request)))
+        for request, request_model in zip(requests, request_models(model, lora_modules, len(requests), seed)):
+            tasks.append(asyncio.create_task(tracked(request, request_model)))
             if math.isfinite(request_rate):
                 await asyncio.sleep(rng.exponential(1.0 / request_rate))
         results = await asyncio.gather(*tasks)
@@ -217,7 +232,7 @@ def run(args: argparse.Namespace) -> dict:
         results, duration, engine = asyncio.run(run_once(
             base_url, args.endpoint, model, requests, max_concurrency=concurrency,
             request_rate=args.request_rate, ignore_eos=args.ignore_eos, seed=args.seed,
-            warmups=warmups, api_key=api_key, progress=not args.no_progress))
+            warmups=warmups, api_key=api_key, progress=not args.no_progress, lora_modules=args.lora_modules))
         summary = summarize(results, duration) | engine | {"max_concurrency": concurrency,
                                                              "request_rate": args.request_rate}
         summaries.append(summary)
@@ -227,7 +242,8 @@ def run(args: argparse.Namespace) -> dict:
     report = {"label": args.label, "base_url": base_url, "model": model, "endpoint": args.endpoint,
               "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
               "range_ratio": args.range_ratio, "random_prefix_len": args.random_prefix_len, "dataset_name": args.dataset_name, "dataset_path": args.dataset_path,
-              "structured_output_ratio": args.structured_output_ratio, "runs": summaries}
+              "structured_output_ratio": args.structured_output_ratio, "lora_modules": args.lora_modules,
+              "runs": summaries}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
@@ -243,6 +259,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     parser.add_argument("--model", default=None, help="model id to send (default: the first of /v1/models)")
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                        help="LoRA adapters the server serves: each request names one of them, at random, as its "
+                             "model (vLLM bench serve's flag)")
     parser.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer for the prompts: model dir, GGUF or checkpoint (default: SmolLM2's)")
