@@ -13,6 +13,7 @@ import torch
 
 import tiny_models
 from jaxserve.bench import quality
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.cli import main
 from jaxserve.llm import LLM
 
@@ -88,6 +89,14 @@ def test_greedy_of_another_model_is_reported_with_positions(tmp_path, llm_a):
         a, b = tokens_a[d.prompt], tokens_b[d.prompt]
         assert a[:d.position] == b[:d.position]
         assert d.position == min(len(a), len(b)) or a[d.position] != b[d.position]
+
+
+def test_label_names_only_the_settings_given():
+    """Settings __post_init__ fills in (max_cpu_loras from max_loras, lora_modules as a tuple) are not
+    named as if given."""
+    assert quality.settings_label(EngineConfig()) == "defaults"
+    assert quality.settings_label(EngineConfig(quantization="int8", max_loras=2, enable_lora=True)) == (
+        "quantization=int8 enable_lora=True max_loras=2 max_cpu_loras=2")
 
 
 def test_reference_keeps_only_the_weights_and_limits():

@@ -94,9 +94,12 @@ def reference_settings(settings: dict) -> dict:
 
 
 def settings_label(cfg: EngineConfig) -> str:
-    """The settings of `cfg` that differ from the defaults, as `name=value`; "defaults" when none do."""
+    """The settings of `cfg` that differ from the defaults, as `name=value`; "defaults" when none do. Compared
+    with a default EngineConfig, not the fields' declared defaults: __post_init__ fills some in (lora_modules
+    None becomes (), max_cpu_loras None becomes max_loras)."""
+    defaults = EngineConfig()
     changed = [f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
-               if getattr(cfg, f.name) != f.default]
+               if getattr(cfg, f.name) != getattr(defaults, f.name)]
     return " ".join(changed) or "defaults"
 
 
