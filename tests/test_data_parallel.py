@@ -330,12 +330,14 @@ def test_replica_flags_round_trip_without_the_launcher_flags():
 
     argv = ["serve", "model_dir", "--max-num-seqs", "4", "--no-enable-prefix-caching", "--api-key", "k",
             "--no-chat-page", "-tp", "2", "--port", "9", "--host", "0.0.0.0", "-dp", "3", "--router-policy",
-            "round_robin"]
+            "round_robin", "--enable-lora", "--lora-modules", "a=/adapters/a", "b=/adapters/b",
+            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
     args = build_parser().parse_args(argv)
     flags = replica_flags(args, add_serve_flags)
     assert not {"--port", "--host", "-dp", "--data-parallel-size", "--router-policy"} & set(flags), flags
     again = build_parser().parse_args(["serve", *flags])
-    for name in ("model", "max_num_seqs", "enable_prefix_caching", "chat_page", "tensor_parallel_size"):
+    for name in ("model", "max_num_seqs", "enable_prefix_caching", "chat_page", "tensor_parallel_size",
+                 "enable_lora", "lora_modules", "speculative_config"):
         assert getattr(again, name) == getattr(args, name), name
     assert again.data_parallel_size == 1 and again.port != args.port
     assert "k" not in flags and again.api_key is None  # the key goes through the environment

@@ -33,6 +33,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import dataclasses
+import json
 import os
 import secrets
 import shutil
@@ -96,6 +98,10 @@ def replica_flags(args: argparse.Namespace, add_serve_flags) -> list[str]:
             flags.append(next(o for o in action.option_strings if o.startswith("--no-") != bool(value)))
         elif action.nargs == 0:  # store_true / store_false
             flags.append(action.option_strings[-1])
+        elif isinstance(value, list):  # a flag of several values (--lora-modules a=... b=...)
+            flags += [action.option_strings[-1], *map(str, value)]
+        elif dataclasses.is_dataclass(value):  # parsed from JSON (--speculative-config): JSON again
+            flags += [action.option_strings[-1], json.dumps(dataclasses.asdict(value))]
         else:
             flags += [action.option_strings[-1], str(value)]
     return flags
