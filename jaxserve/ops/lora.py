@@ -31,7 +31,9 @@ TARGETS = QKV + ("o_proj",) + GATE_UP + ("down_proj",)
 def token_slots(seq_slots, cu_q_lens, num_tokens: int):
     """Each token's slot [T] from its sequence's slot seq_slots [S] and the step's cu_q_lens [S + 1]
     (padding tokens past cu_q_lens[-1]: slot 0)."""
-    seq_of_token = jnp.searchsorted(cu_q_lens[1:], jnp.arange(num_tokens, dtype=cu_q_lens.dtype), side="right")
+    # [T, S] comparisons, no loop: a GPU step holds no control flow outside its kernels
+    seq_of_token = jnp.searchsorted(cu_q_lens[1:], jnp.arange(num_tokens, dtype=cu_q_lens.dtype), side="right",
+                                    method="compare_all")
     inside = seq_of_token < seq_slots.shape[0]
     return jnp.where(inside, seq_slots[jnp.minimum(seq_of_token, seq_slots.shape[0] - 1)], 0)
 
