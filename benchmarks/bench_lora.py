@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -81,7 +82,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None,
                         help="a Hugging Face model directory (default: the default model, exported)")
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="auto", help="both servers' --dtype (auto: what users get)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[8])
     parser.add_argument("--prompts-per-concurrency", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
@@ -128,10 +129,15 @@ def main() -> None:
         medians = [median_run(runs[name][c])["output_throughput"] for name in names]
         lines.append(f"| {c} | " + " | ".join(f"{m:.1f}" for m in medians) + " | "
                      + " | ".join(f"**{m / medians[0]:.2f}x**" for m in medians[1:]) + " |")
-    text = "\n".join([f"{args.model.name}, {args.dtype}, rank-{args.rank} adapters on all seven projections, "
+    from jaxserve.ops.cpu_ffi import cpu_features
+
+    flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+                     if f in cpu_features().split())
+    text = "\n".join([f"{args.model.name}, --dtype {args.dtype}, rank-{args.rank} adapters on all seven projections, "
                       f"{args.input_len} in / {args.output_len} out, --ignore-eos; median of {args.rounds} "
                       f"alternating rounds; limits {' '.join(args.limits)}", *lines,
-                      f"start-up: plain {startup['plain']:.1f} s, LoRA {startup['lora']:.1f} s"])
+                      f"start-up: plain {startup['plain']:.1f} s, LoRA {startup['lora']:.1f} s",
+                      f"{os.cpu_count()} cores, CPU flags: {flags}"])
     print("\n" + text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"table": text, "runs": runs}, indent=2))

@@ -195,3 +195,14 @@ def test_default_model_with_an_adapter_gives_peft_greedy_tokens(tmp_path):
     assert expected[0] != expected[1]
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert llm.engine.num_compilations_since_warmup == 0
+
+
+def test_xla_masked_deltas_give_peft_greedy_tokens(base_dir, loras, reference):
+    """Off the C++ matmul (a GPU's path, here matmul_backend xla) the deltas are XLA's masked dots, not the
+    C++ kernel: the same tokens, base model and two adapters in one batch."""
+    llm = LLM(str(base_dir), dtype="float32", matmul_backend="xla", enable_lora=True, max_loras=2, max_lora_rank=16,
+              max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, num_kv_pages=48)
+    assert "jaxserve_lora_bgmv" not in llm.engine.runner.lower("decode", 4).as_text()
+    names = [None, "attn8", "all8rs"]
+    prompts = [_prompt(20 + i) for i in range(len(names))]
+    assert _generate(llm, loras, prompts, names) == [reference(n, p) for n, p in zip(names, prompts)]

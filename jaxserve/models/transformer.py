@@ -23,7 +23,7 @@ from jaxserve.ops.attention import AttentionMetadata
 from jaxserve.ops.attention_backends import paged_attention, write_kv
 from jaxserve.config.model_config import ModelConfig
 from jaxserve.ops.linear import matmul, silu_gated_matmul
-from jaxserve.ops.lora import GATE_UP, QKV, delta, fused_delta, with_lora
+from jaxserve.ops.lora import GATE_UP, QKV, TokenSlots, delta, fused_delta, with_lora
 from jaxserve.ops.packed_matmul import PackedWeight
 from jaxserve.ops.quantized import QuantizedWeight
 
@@ -132,17 +132,17 @@ COLUMN_SPLIT = ("w_qkv", "w_gate_up")  # split by output columns under tensor pa
 
 
 def _mlp(cfg: ModelConfig, lp, x, rows, lora: dict | None = None, lora_mask=None):
-    """With `lora` (the layer's adapter slots, ops/lora.py): gate/up unfused, so that each delta lands
-    before the activation, and down_proj's delta added to this device's partial sum."""
-    if cfg.hidden_act == "silu" and lora is None:
-        return matmul(silu_gated_matmul(x, lp["w_gate_up"], rows), lp["w_down"], rows)
-    gate_up = matmul(x, lp["w_gate_up"], rows)
-    if lora is not None:
-        gate_up = gate_up + fused_delta(x, lora, GATE_UP, lora_mask).astype(gate_up.dtype)
-    gate, up = jnp.split(gate_up, 2, axis=-1)
-    act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-    out = matmul(act * up, lp["w_down"], rows)
-    return out if lora is None else out + delta(act * up, *lora["down_proj"], lora_mask).astype(out.dtype)
+    """With `lora` (the layer's adapter slots, ops/lora.py): the gate and up deltas added before the
+    activation (inside the C++ gated kernel where it runs), and down_proj's to this device's partial sum."""
+    add = None if lora is None else fused_delta(x, lora, GATE_UP, lora_mask)
+    if cfg.hidden_act == "silu":
+        act_up = silu_gated_matmul(x, lp["w_gate_up"], rows, add)
+    else:
+        gate_up = matmul(x, lp["w_gate_up"], rows)
+        gate, up = jnp.split(gate_up if add is None else gate_up + add.astype(gate_up.dtype), 2, axis=-1)
+        act_up = jax.nn.gelu(gate, approximate=True) * up
+    out = matmul(act_up, lp["w_down"], rows)
+    return out if lora is None else out + delta(act_up, *lora["down_proj"], lora_mask).astype(out.dtype)
 
 
 def _all_reduce(x, axis: str | None):
@@ -151,16 +151,19 @@ def _all_reduce(x, axis: str | None):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sliding", "q_tile", "kv_tile", "attention_backend",
-                                             "decode_only", "axis", "lora_branches"))
+                                             "decode_only", "axis", "lora_branches", "lora_rank"))
 def _layer(h, k_pages, v_pages, lp, layer, cos, sin, md: AttentionMetadata, lora=None, *, cfg: ModelConfig,
            sliding: bool, q_tile: int, kv_tile: int, attention_backend: str, decode_only: bool, axis: str | None,
-           lora_branches: bool = True):
+           lora_branches: bool = True, lora_rank: int | None = None):
     """One decoder layer. Jitted on its own so that tracing and lowering happen once per step
     function, not once per layer; XLA still inlines it into each layer's place. Under tensor
     parallelism cfg is one device's share and the two all-reduces are the layer's only communication.
     lora: (the layer's adapter slots, mask [T, S * r], whether any token uses an adapter) or None
-    (ops/lora.py); each delta is added to its projection's output (before the all-reduce)."""
+    (ops/lora.py); each delta is added to its projection's output (before the all-reduce). lora_rank: the
+    mask is each token's slot [T], for the C++ kernel (ops/lora.TokenSlots) of slots of that rank."""
     weights, mask, active = lora if lora is not None else (None, None, None)
+    if lora is not None and lora_rank is not None:
+        mask = TokenSlots(mask, md.cu_q_lens[-1], lora_rank)
 
     def lora_added(y, add):  # add(y) where some token uses an adapter, else y
         return y if lora is None else with_lora(lambda: y, lambda: add(y), active, lora_branches)
@@ -224,6 +227,7 @@ def forward(
     return_hidden: bool = False,
     lora_mask=None,  # [T, S * r]: each token's adapter slot's columns (ops/lora.py); None: no adapters
     lora_branches: bool = True,
+    lora_rank: int | None = None,  # set: lora_mask is each token's slot [T], for the C++ kernel (ops/lora.py)
 ):
     """Runs the model over a ragged batch of tokens; returns (logits [S, vocab] f32, kv_cache), and with
     return_hidden the last layer's output of every token [T, hidden] too (before the final norm: what
@@ -256,7 +260,7 @@ def forward(
         h, k_pages, v_pages = _layer(
             h, k_pages, v_pages, lp, jnp.int32(layer_id), *(local_rope if sliding else global_rope), md, lora,
             cfg=cfg, sliding=sliding, q_tile=q_tile, kv_tile=kv_tile, attention_backend=attention_backend,
-            decode_only=decode_only, axis=axis, lora_branches=lora_branches,
+            decode_only=decode_only, axis=axis, lora_branches=lora_branches, lora_rank=lora_rank,
         )
 
     logits = lm_head_logits(params, cfg, h[logits_indices])

@@ -8,8 +8,10 @@
 - the packed-weight matmul (`cpu_kernels/packed_matmul.cc`): the weights packed in column panels at
   load, in float32, bfloat16 or int8; its Python side (`PackedWeight`, `matmul`, `silu_gated_matmul`)
   is `packed_matmul.py`.
+- `lora_bgmv` (`cpu_kernels/lora_bgmv.cc`): the LoRA deltas of a batch mixing adapters, each token
+  through its own adapter slot; its Python side is `ops/lora.py`.
 
-Both spread their work over XLA's own intra-op threads. They need a C++ compiler (`c++`, or $CXX)
+All three spread their work over XLA's own intra-op threads. They need a C++ compiler (`c++`, or $CXX)
 once: the library is cached under ~/.cache/jaxserve/kernels (JAXSERVE_KERNEL_CACHE moves it), keyed
 by everything that decides the machine code (`cache_key`): the sources, the compiler and its flags,
 the jax version, and the CPU's instruction-set features, since `-march=native` builds for this CPU
@@ -56,7 +58,7 @@ from jaxserve.config import cache_dirs
 
 logger = logging.getLogger(__name__)
 KERNELS_DIR = Path(__file__).parent / "cpu_kernels"
-SOURCES = (KERNELS_DIR / "paged_row_attention.cc", KERNELS_DIR / "packed_matmul.cc")
+SOURCES = (KERNELS_DIR / "paged_row_attention.cc", KERNELS_DIR / "packed_matmul.cc", KERNELS_DIR / "lora_bgmv.cc")
 HEADERS = (KERNELS_DIR / "parallel_for.h", KERNELS_DIR / "vec_math.h")
 TARGETS = {  # FFI target -> handler symbol
     "jaxserve_paged_row_attention": "JaxservePagedRowAttention",
@@ -66,10 +68,14 @@ TARGETS = {  # FFI target -> handler symbol
     "jaxserve_packed_gated_matmul": "JaxservePackedGatedMatmul",
     "jaxserve_packed_matmul_bf16": "JaxservePackedMatmulBf16",
     "jaxserve_packed_gated_matmul_bf16": "JaxservePackedGatedMatmulBf16",
+    "jaxserve_packed_gated_matmul_add": "JaxservePackedGatedMatmulAdd",
+    "jaxserve_packed_gated_matmul_add_bf16": "JaxservePackedGatedMatmulAddBf16",
     "jaxserve_packed_matmul_int8": "JaxservePackedMatmulInt8",
     "jaxserve_packed_gated_matmul_int8": "JaxservePackedGatedMatmulInt8",
     "jaxserve_paged_row_attention_fp8_pages": "JaxservePagedRowAttentionFp8Pages",
     "jaxserve_write_fp8_pages": "JaxserveWriteFp8Pages",
+    "jaxserve_lora_bgmv": "JaxserveLoraBgmv",
+    "jaxserve_lora_bgmv_bf16": "JaxserveLoraBgmvBf16",
 }
 # The attention kernel's and the page writer's FFI targets by page dtype (float32 pages are written by XLA).
 _PAGE_SUFFIX = {jnp.dtype(jnp.float32): "", jnp.dtype(jnp.bfloat16): "_bf16_pages",

@@ -22,10 +22,14 @@ def matmul(x, w, rows=None):
     return x @ w
 
 
-def silu_gated_matmul(x, w, rows=None):
+def silu_gated_matmul(x, w, rows=None, add=None):
     """silu(x @ w_gate) * (x @ w_up) for w = [w_gate | w_up]: one C++ kernel call where it can (see
-    `packed_matmul.silu_gated_matmul`), else the matmul and XLA."""
+    `packed_matmul.silu_gated_matmul`), else the matmul and XLA. add (LoRA's deltas [M, 2 I]) or None:
+    added to x @ w before the activation."""
     if isinstance(w, PackedWeight):
-        return packed_matmul.silu_gated_matmul(x, w, rows)
-    gate, up = jnp.split(matmul(x, w, rows), 2, axis=-1)
+        return packed_matmul.silu_gated_matmul(x, w, rows, add)
+    gate_up = matmul(x, w, rows)
+    if add is not None:
+        gate_up = gate_up + add.astype(gate_up.dtype)
+    gate, up = jnp.split(gate_up, 2, axis=-1)
     return jax.nn.silu(gate) * up

@@ -125,18 +125,18 @@ def _rows_operand(x, rows):
     return jnp.asarray(x.shape[0] if rows is None else rows, jnp.int32)
 
 
-def _packed_call(target: str, x, w: PackedWeight, columns: int, rows):
+def _packed_call(target: str, x, w: PackedWeight, columns: int, rows, *extra):
     """The kernel `target` (its _bf16 twin for bfloat16 weights, x rounded to bfloat16; its _int8 twin for
-    int8 weights, x quantized in the kernel) -> [M, columns]."""
+    int8 weights, x quantized in the kernel) -> [M, columns]; `extra` operands follow rows."""
     assert x.dtype == jnp.float32, "the CPU matmul kernel takes float32 activations"
     out = jax.ShapeDtypeStruct((x.shape[0], columns), jnp.float32)
     if w.data.dtype == jnp.int8:
-        return jax.ffi.ffi_call(f"{target}_int8", out)(x, w.data, w.scale, w.sums, _rows_operand(x, rows))
+        return jax.ffi.ffi_call(f"{target}_int8", out)(x, w.data, w.scale, w.sums, _rows_operand(x, rows), *extra)
     if w.data.dtype == jnp.bfloat16:
         target, x = f"{target}_bf16", x.astype(jnp.bfloat16)
     else:
         assert w.data.dtype == jnp.float32, w.data.dtype
-    return jax.ffi.ffi_call(target, out)(x, w.data, _rows_operand(x, rows))
+    return jax.ffi.ffi_call(target, out)(x, w.data, _rows_operand(x, rows), *extra)
 
 
 def matmul(x, w, rows=None):
@@ -150,10 +150,18 @@ def matmul(x, w, rows=None):
     return _packed_call("jaxserve_packed_matmul", x, w, w.n, rows)
 
 
-def silu_gated_matmul(x, w, rows=None):
+def silu_gated_matmul(x, w, rows=None, add=None):
     """silu(x @ w_gate) * (x @ w_up) for w = [w_gate | w_up] [K, 2 I]: one kernel call for a PackedWeight
-    whose halves are whole panels (I a multiple of PANEL_WIDTH), else matmul and XLA. rows: as for matmul."""
+    whose halves are whole panels (I a multiple of PANEL_WIDTH), else matmul and XLA. rows: as for matmul.
+    add [M, 2 I] float32 (LoRA's deltas), or None: added to x @ w before the activation (in the kernel for
+    float32 and bfloat16 weights)."""
     if isinstance(w, PackedWeight) and w.n % (2 * PANEL_WIDTH) == 0:
-        return _packed_call("jaxserve_packed_gated_matmul", x, w, w.n // 2, rows)
-    gate, up = jnp.split(matmul(x, w, rows), 2, axis=-1)
+        if add is None:
+            return _packed_call("jaxserve_packed_gated_matmul", x, w, w.n // 2, rows)
+        if w.data.dtype != jnp.int8:
+            return _packed_call("jaxserve_packed_gated_matmul_add", x, w, w.n // 2, rows, add.astype(jnp.float32))
+    gate_up = matmul(x, w, rows)
+    if add is not None:
+        gate_up = gate_up + add.astype(gate_up.dtype)
+    gate, up = jnp.split(gate_up, 2, axis=-1)
     return jax.nn.silu(gate) * up

@@ -41,10 +41,14 @@ def write_slot(lora: list[dict], slot, weights: dict, *, rank: int) -> list[dict
 class LoRASlots:
     """The slot arrays' shapes and shardings, and their writer, for a model served with `cfg`."""
 
-    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, parallel: TensorParallel | None):
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, parallel: TensorParallel | None,
+                 matmul_backend: str = "xla"):
+        """matmul_backend: the engine's resolved one. With the C++ matmul in bfloat16 (cpu-bf16) the slots are
+        bfloat16 too, as the weights are (the C++ LoRA kernel widens them as it reads them: half the bytes a
+        decode step reads for its deltas); else the engine's dtype."""
         self.model_cfg, self.parallel = model_cfg, parallel
         self.max_loras, self.rank = cfg.max_loras, cfg.max_lora_rank
-        self.dtype = jnp.dtype(cfg.dtype)
+        self.dtype = jnp.dtype(jnp.bfloat16 if matmul_backend == "cpu-bf16" else cfg.dtype)
         layer = lora_layout(parallel.padded_cfg if parallel else model_cfg, self.max_loras, self.rank)
         self.shapes = [{t: tuple(jax.ShapeDtypeStruct(shape, self.dtype) for shape, _ in layer[t]) for t in TARGETS}
                        for _ in range(model_cfg.num_layers)]
@@ -114,6 +118,8 @@ class LoRASlots:
         return self._writer(lora, np.int32(slot), self.host_weights(targets))
 
 
-def step_mask(seq_slots, cu_q_lens, num_tokens: int, max_loras: int, rank: int):
-    """A step's LoRA mask [T, S * r] (ops/lora.py) from each sequence's slot seq_slots [S]."""
-    return slot_mask(token_slots(seq_slots, cu_q_lens, num_tokens), max_loras, rank, jnp.float32)
+def step_mask(seq_slots, cu_q_lens, num_tokens: int, max_loras: int, rank: int, kernel: bool = False):
+    """A step's LoRA mask [T, S * r] (ops/lora.py) from each sequence's slot seq_slots [S]; for the C++
+    kernel (kernel), each token's slot [T] instead."""
+    slots = token_slots(seq_slots, cu_q_lens, num_tokens)
+    return slots if kernel else slot_mask(slots, max_loras, rank, jnp.float32)

@@ -50,22 +50,22 @@ def _bytes_on_first_device(tree) -> int:
 
 def _step(params, kv_cache, inputs: StepInputs, *, cfg: ModelConfig, q_tile: int, kv_tile: int,
           attention_backend: str, decode_only: bool = False, sampler_branches: bool = True,
-          return_hidden: bool = False):
+          return_hidden: bool = False, lora_rank: int | None = None):
     logits, kv_cache, *hidden = forward(
         params, cfg, inputs.token_ids, inputs.positions, kv_cache, inputs.md, inputs.logits_indices,
         q_tile=q_tile, kv_tile=kv_tile, attention_backend=attention_backend, decode_only=decode_only,
-        return_hidden=return_hidden, lora_mask=inputs.lora_mask, lora_branches=sampler_branches,
+        return_hidden=return_hidden, lora_mask=inputs.lora_mask, lora_branches=sampler_branches, lora_rank=lora_rank,
     )
     return sample(logits, inputs.sampling, sampler_branches), kv_cache, *hidden
 
 
 def _batch_step(params, kv_cache, state: BatchState, packed: tuple[jax.Array, jax.Array], *, step: Callable,
-                lora: tuple[int, int] | None = None):
+                lora: tuple[int, int, bool] | None = None):
     """`step` over the persistent device batch (`device_batch.py`): each sequence's page table and
     sampling settings come from its row there (its req_index), a token whose `prev_rows` entry is r >= 0
     is the one row r of the previous step sampled (asynchronous scheduling: the host has not read it),
-    and the sampled tokens go back into the state; lora (max_loras, max_lora_rank): each token runs with its
-    row's adapter slot (lora_slots.py). `packed`: the step's inputs as `step_inputs.pack` gives them. Returns
+    and the sampled tokens go back into the state; lora (max_loras, max_lora_rank, C++ kernel): each token
+    runs with its row's adapter slot (lora_slots.py). `packed`: the step's inputs as `step_inputs.pack` gives them. Returns
     (sampler output, kv_cache, state), and the last layer's output [T, hidden] where `step` gives it."""
     inputs = step_inputs.unpack(*packed)
     token_ids = jnp.where(inputs.prev_rows >= 0, state.last_tokens[jnp.maximum(inputs.prev_rows, 0)],
@@ -95,7 +95,7 @@ class ModelRunner:
         self._take(resolved)
         self.params = self._serving_params(params, draw)
         # LoRA adapters: every slot's A and B in params["lora"], each row's slot in the device batch
-        self.lora = lora_slots.LoRASlots(model_cfg, self.cfg, self.parallel) if self.cfg.enable_lora else None
+        self.lora = lora_slots.LoRASlots(model_cfg, self.cfg, self.parallel, self.matmul_backend) if self.cfg.enable_lora else None
         if self.lora:
             self.params = self.lora.attach(self.params)
         # What this process read of LazyTensor params (its devices' slices) out of the whole model's bytes
@@ -106,9 +106,12 @@ class ModelRunner:
         jit = functools.partial(jax.jit, donate_argnums=(1, 2))
         if self.parallel:
             step, jit = self.parallel.step, self.parallel.jit
+        # LoRA through the C++ kernel where the C++ matmul runs (its kernels are built), else XLA's masked dots
+        lora_kernel = bool(self.lora) and self.matmul_backend in ("cpu", "cpu-bf16")
         step = functools.partial(step, kv_tile=resolved.kv_tile, attention_backend=self.attention_backend,
-                                 sampler_branches=resolved.sampler_branches)
-        lora = (self.lora.max_loras, self.lora.rank) if self.lora else None
+                                 sampler_branches=resolved.sampler_branches,
+                                 **({"lora_rank": self.lora.rank} if lora_kernel else {}))
+        lora = (self.lora.max_loras, self.lora.rank, lora_kernel) if self.lora else None
         batched = lambda **kwargs: functools.partial(_batch_step, step=functools.partial(step, **kwargs), lora=lora)  # noqa: E731
         # A prefill step also hands out its last layer's output, which prompt logprobs read (prompt_logprobs.py)
         jit_prefill = functools.partial(self.parallel.jit, with_hidden=True) if self.parallel else jit

@@ -14,7 +14,8 @@
 // The gated version takes gate panel b and then up panel b + N / 2 / kPanelWidth for each row tile
 // (N / 2 a whole number of panels; the gate tile waits in L1 meanwhile) and writes only the product:
 // the [M, N] intermediate and XLA's pass over it are gone. (Both panels at once, in tiles of half the
-// rows, was slower for prompt-sized M.)
+// rows, was slower for prompt-sized M.) Its `_add` form adds an [M, N] float32 array to the two
+// products before the activation: LoRA adapters' deltas for gate and up (jaxserve/ops/lora.py).
 //
 // Only the first `rows` rows of x are multiplied (a step's real tokens; the rest of its shape bucket
 // is padding): the rows past them get zeros. A 287-token step in the 512 bucket costs 287 rows.
@@ -151,6 +152,8 @@ struct Problem {
   const float* x_scale = nullptr;
   const float* w_scale = nullptr;
   const int32_t* w_sum = nullptr;
+  // gated only, or null: [m, n] float32 added to x @ [w_gate | w_up] before the activation (LoRA's deltas)
+  const float* add = nullptr;
 
   const Elem* panel(int64_t b) const { return b < 0 ? nullptr : w + b * steps * kPanelWidth; }
   // The output of a tile's accumulator for `column`'s vector: int8 sums still want the column scale.
@@ -237,8 +240,13 @@ void GatedTile(const Problem<T>& p, int64_t row, int64_t panel, int64_t prefetch
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kVectors; ++j) {
       const int64_t column = panel * kPanelWidth + j * kLanes;
-      const Vec gate = p.out(gate_acc[r][j], column);
-      const Vec up_value = p.out(up_acc[r][j], column + p.panels / 2 * kPanelWidth);
+      Vec gate = p.out(gate_acc[r][j], column);
+      Vec up_value = p.out(up_acc[r][j], column + p.panels / 2 * kPanelWidth);
+      if (p.add != nullptr) {
+        const float* add_row = p.add + (row + r) * p.n + column;
+        gate += Load(add_row);
+        up_value += Load(add_row + p.n / 2);
+      }
       Store(y_rows + r * (p.n / 2) + j * kLanes, jaxserve::Silu(gate) * up_value);
     }
 }
@@ -319,20 +327,40 @@ int64_t ZeroPadding(ffi::Buffer<ffi::S32>& rows, ffi::Result<ffi::Buffer<ffi::F3
   return m;
 }
 
-// y = x @ w (gated: silu(x @ w_gate) * (x @ w_up)), float32 or bfloat16 weights; see ShapesMatch.
+// y = x @ w (gated: silu(x @ w_gate + add_gate) * (x @ w_up + add_up), `add` [M, N] or null), float32 or
+// bfloat16 weights; see ShapesMatch.
 template <typename T, bool kGated>
-ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<kXType<T>> x, ffi::Buffer<kWType<T>> w,
-                  ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error RunMatmul(ffi::ThreadPool& pool, ffi::Buffer<kXType<T>>& x, ffi::Buffer<kWType<T>>& w,
+                     ffi::Buffer<ffi::S32>& rows, const float* add, ffi::ResultBuffer<ffi::F32>& y) {
   if (!ShapesMatch<T, kGated>(x.dimensions(), w.dimensions(), y->dimensions()) || rows.element_count() != 1) {
     return ffi::Error::InvalidArgument(KernelName<T, kGated>() + ": operand shapes do not match");
   }
   const int64_t m = ZeroPadding(rows, y), k = x.dimensions()[1];
   using Elem = typename T::Elem;
   const int64_t n = y->dimensions()[1] * (kGated ? 2 : 1);
-  Run<T, kGated>(pool, Problem<T>{reinterpret_cast<const Elem*>(x.untyped_data()),
-                                  reinterpret_cast<const Elem*>(w.untyped_data()), y->typed_data(), m,
-                                  k / T::kSteps, n, w.dimensions()[0]});
+  Problem<T> problem{reinterpret_cast<const Elem*>(x.untyped_data()), reinterpret_cast<const Elem*>(w.untyped_data()),
+                     y->typed_data(), m, k / T::kSteps, n, w.dimensions()[0]};
+  problem.add = add;
+  Run<T, kGated>(pool, problem);
   return ffi::Error::Success();
+}
+
+template <typename T, bool kGated>
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<kXType<T>> x, ffi::Buffer<kWType<T>> w,
+                  ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y) {
+  return RunMatmul<T, kGated>(pool, x, w, rows, nullptr, y);
+}
+
+// The gated matmul with add [M, N] (float32) added to x @ [w_gate | w_up] before the activation: a LoRA
+// adapter's deltas for the two projections (jaxserve/ops/lora.py), without unfusing the kernel.
+template <typename T>
+ffi::Error GatedMatmulAdd(ffi::ThreadPool pool, ffi::Buffer<kXType<T>> x, ffi::Buffer<kWType<T>> w,
+                          ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> add, ffi::ResultBuffer<ffi::F32> y) {
+  const auto add_dims = add.dimensions(), y_dims = y->dimensions();
+  if (add_dims.size() != 2 || y_dims.size() != 2 || add_dims[0] != y_dims[0] || add_dims[1] != 2 * y_dims[1]) {
+    return ffi::Error::InvalidArgument(KernelName<T, true>() + "_add: the added deltas' shape does not match");
+  }
+  return RunMatmul<T, true>(pool, x, w, rows, add.typed_data(), y);
 }
 
 typedef uint8_t ByteVec __attribute__((vector_size(kLanes)));
@@ -446,11 +474,21 @@ auto MatmulInt8Binding() {
       .Ret<ffi::Buffer<ffi::F32>>();
 }
 
+template <typename T>
+auto GatedMatmulAddBinding() {
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().template Arg<ffi::Buffer<kXType<T>>>()
+      .template Arg<ffi::Buffer<kWType<T>>>().template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>().template Ret<ffi::Buffer<ffi::F32>>();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedMatmul, (Matmul<F32, false>), MatmulBinding<F32>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedGatedMatmul, (Matmul<F32, true>), MatmulBinding<F32>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedMatmulBf16, (Matmul<Bf16Pairs, false>), MatmulBinding<Bf16Pairs>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedGatedMatmulBf16, (Matmul<Bf16Pairs, true>), MatmulBinding<Bf16Pairs>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedGatedMatmulAdd, GatedMatmulAdd<F32>, GatedMatmulAddBinding<F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedGatedMatmulAddBf16, GatedMatmulAdd<Bf16Pairs>,
+                              GatedMatmulAddBinding<Bf16Pairs>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedMatmulInt8, MatmulInt8<false>, MatmulInt8Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedGatedMatmulInt8, MatmulInt8<true>, MatmulInt8Binding());
