@@ -32,26 +32,7 @@ using jaxserve::Vec;
 
 namespace {
 
-// bfloat16 bits, widened to float32 as they are read (half the bytes of float32: at a decode step's few
-// rows the deltas are bound by reading the adapters' matrices, not by multiplying them)
-using Bf16 = uint16_t;
-typedef Bf16 UnalignedBf16Vec __attribute__((vector_size(kLanes * sizeof(Bf16)), aligned(2)));
-typedef uint32_t UintVec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-
-inline Vec LoadW(const float* x) { return jaxserve::Load(x); }
-inline Vec LoadW(const Bf16* x) {
-  const UintVec bits = __builtin_convertvector(*reinterpret_cast<const UnalignedBf16Vec*>(x), UintVec) << 16;
-  Vec v;
-  std::memcpy(&v, &bits, sizeof(v));
-  return v;
-}
-inline float WidenW(float x) { return x; }
-inline float WidenW(Bf16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+using jaxserve::Bf16;  // bfloat16 slots: half the bytes, and a decode step's deltas are bound by reading them
 
 constexpr int64_t kMaxRank = 256;  // the largest max_lora_rank the kernel takes (u lives on the stack)
 constexpr int64_t kTile = 8;  // tokens of one slot computed together
@@ -74,7 +55,7 @@ void Expand(const Problem<W>& p, const float (*u)[kMaxRank], const int32_t* toke
   for (; c + 2 * kLanes <= p.n; c += 2 * kLanes) {
     Vec acc[G][2] = {};
     for (int64_t j = 0; j < p.rank; ++j) {
-      const Vec b0 = LoadW(b + j * p.n + c), b1 = LoadW(b + j * p.n + c + kLanes);
+      const Vec b0 = jaxserve::Load(b + j * p.n + c), b1 = jaxserve::Load(b + j * p.n + c + kLanes);
       for (int g = 0; g < G; ++g) {
         acc[g][0] += u[g][j] * b0;
         acc[g][1] += u[g][j] * b1;
@@ -88,7 +69,7 @@ void Expand(const Problem<W>& p, const float (*u)[kMaxRank], const int32_t* toke
   for (; c < p.n; ++c) {
     for (int g = 0; g < G; ++g) {
       float sum = 0.0f;
-      for (int64_t j = 0; j < p.rank; ++j) sum += u[g][j] * WidenW(b[j * p.n + c]);
+      for (int64_t j = 0; j < p.rank; ++j) sum += u[g][j] * jaxserve::Widen(b[j * p.n + c]);
       p.y[tokens[g] * p.n + c] = sum;
     }
   }
@@ -105,7 +86,7 @@ void TileDelta(const Problem<W>& p, const int32_t* tokens, int64_t offset) {
     Vec acc[G][NV] = {};
     for (int64_t i = 0; i < p.k; ++i) {
       Vec a_row[NV];
-      for (int v = 0; v < NV; ++v) a_row[v] = LoadW(p.a + i * p.width + offset + v * kLanes);
+      for (int v = 0; v < NV; ++v) a_row[v] = jaxserve::Load(p.a + i * p.width + offset + v * kLanes);
       for (int g = 0; g < G; ++g) {
         const float xv = x_rows[g][i];
         for (int v = 0; v < NV; ++v) acc[g][v] += xv * a_row[v];
@@ -120,7 +101,7 @@ void TileDelta(const Problem<W>& p, const int32_t* tokens, int64_t offset) {
       const W* a_row = p.a + i * p.width + offset;
       for (int g = 0; g < G; ++g) {
         const float xv = x_rows[g][i];
-        for (int64_t j = 0; j < p.rank; ++j) u[g][j] += xv * WidenW(a_row[j]);
+        for (int64_t j = 0; j < p.rank; ++j) u[g][j] += xv * jaxserve::Widen(a_row[j]);
       }
     }
   }

@@ -47,28 +47,14 @@ using jaxserve::kLanes;
 using jaxserve::Load;
 using jaxserve::Store;
 using jaxserve::Vec;
+using jaxserve::Bf16;
+using jaxserve::UintVec;
+using jaxserve::Widen;
 
 constexpr int64_t kLineBytes = 64;  // a cache line
 
-// A page element: float, bfloat16 bits (uint16_t) or float8 e4m3 bits (Fp8). Load (8 or 16 of them,
-// as float32) and Widen (one) read each kind.
-using Bf16 = uint16_t;
-typedef Bf16 UnalignedBf16Vec __attribute__((vector_size(kLanes * sizeof(Bf16)), aligned(2)));
-typedef uint32_t UintVec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-
-inline Vec Load(const Bf16* x) {
-  const UintVec bits = __builtin_convertvector(*reinterpret_cast<const UnalignedBf16Vec*>(x), UintVec) << 16;
-  Vec v;
-  std::memcpy(&v, &bits, sizeof(v));
-  return v;
-}
-inline float Widen(float x) { return x; }
-inline float Widen(Bf16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+// A page element: float, bfloat16 bits (Bf16, vec_math.h) or float8 e4m3 bits (Fp8). Load (8 or 16 of
+// them, as float32) and Widen (one) read each kind.
 
 // float8 e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits, no infinities; written clipped to
 // +-448 (WritePages), so never the NaN codes 0x7f / 0xff (read here as +-480). Every e4m3 value is a

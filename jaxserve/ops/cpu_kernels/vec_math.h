@@ -19,6 +19,25 @@ typedef float UnalignedVec __attribute__((vector_size(kLanes * sizeof(float)), a
 inline Vec Load(const float* x) { return *reinterpret_cast<const UnalignedVec*>(x); }
 inline void Store(float* x, Vec v) { *reinterpret_cast<UnalignedVec*>(x) = v; }
 
+// bfloat16 bits (uint16_t), widened to float32 as they are read: Load (kLanes of them) and Widen (one).
+using Bf16 = uint16_t;
+typedef Bf16 UnalignedBf16Vec __attribute__((vector_size(kLanes * sizeof(Bf16)), aligned(2)));
+typedef uint32_t UintVec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+inline Vec Load(const Bf16* x) {
+  const UintVec bits = __builtin_convertvector(*reinterpret_cast<const UnalignedBf16Vec*>(x), UintVec) << 16;
+  Vec v;
+  __builtin_memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+inline float Widen(float x) { return x; }
+inline float Widen(Bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 // exp(x) for x <= 0, lane by lane: x = n ln2 + r, exp(r) by Cephes' polynomial for expf (relative
 // error about 1e-7), 2^n from the exponent bits. Below -87 it gives about 1e-38 rather than less,
 // which neither a softmax's sum (it holds the maximum's 1) nor Silu's product can notice.
