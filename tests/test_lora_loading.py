@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import threading
 
 import numpy as np
 import peft
@@ -16,6 +17,7 @@ from lora_adapters import load_base, make_peft_adapter, peft_greedy
 from tiny_models import make_tiny_model
 
 from jaxserve import LoRARequest
+from jaxserve.core.lora import EngineLoRA
 from jaxserve.config.engine_config import EngineConfig, add_engine_flags, engine_config_from_args, engine_config_from_kwargs
 from jaxserve.lora import LoRAError
 from jaxserve.lora.peft_loader import TARGETS, AdapterWeights, load_adapter
@@ -324,3 +326,28 @@ def test_lora_settings_refused_by_name(settings, message):
 def test_a_bad_lora_modules_flag_is_an_error_naming_it():
     with pytest.raises(ValueError, match="lora_modules entry 'sql' must be name=path"):
         _flags("--enable-lora", "--lora-modules", "sql")
+
+
+def test_the_engine_reads_an_adapter_without_holding_its_lock():
+    """The scheduler takes EngineLoRA's lock every step: an adapter being read (a server's load, a request
+    naming a new adapter) must not hold it, or every running request would wait for the files."""
+    reading, finish = threading.Event(), threading.Event()
+
+    def slow_load(lora):
+        reading.set()
+        assert finish.wait(60)
+        return AdapterWeights(rank=8, targets={})
+
+    lora = EngineLoRA(EngineConfig(enable_lora=True), model_cfg=None)
+    lora._load = slow_load
+    adding = threading.Thread(target=lora.add, args=(LoRARequest("slow", 1, "/adapters/slow"),))
+    adding.start()
+    assert reading.wait(60)
+    listing = threading.Thread(target=lora.list)  # takes the lock, as the scheduler's acquire does
+    listing.start()
+    listing.join(60)
+    stuck = listing.is_alive()
+    finish.set()
+    adding.join(60)
+    assert not stuck, "the lock was held while the adapter's files were read"
+    assert [r.lora_name for r in lora.list()] == ["slow"]

@@ -30,9 +30,9 @@ from jaxserve.lora.residency import LoRAResidency
 class EngineLoRA:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig):
         self.max_loras = cfg.max_loras
-        load = lambda lora: load_adapter(lora.lora_path, model_cfg, cfg.max_lora_rank, name=lora.lora_name)  # noqa: E731
+        self._load = lambda lora: load_adapter(lora.lora_path, model_cfg, cfg.max_lora_rank, name=lora.lora_name)
         max_cpu_loras = cfg.max_cpu_loras if cfg.max_cpu_loras is not None else cfg.max_loras
-        self._residency = LoRAResidency(cfg.max_loras, max_cpu_loras, load)
+        self._residency = LoRAResidency(cfg.max_loras, max_cpu_loras, self._load)
         self._lock = threading.Lock()
         self._writes: list[tuple[int, AdapterWeights]] = []  # (slot, weights) not on the device yet
         self.num_slot_writes = 0  # adapters written into device slots so far (loads and reloads)
@@ -41,9 +41,14 @@ class EngineLoRA:
 
     def add(self, lora: LoRARequest) -> None:
         """Registers and loads an adapter (idempotent); LoRAError if it cannot be served, ValueError if its
-        name is taken by another."""
+        name is taken by another. Its files are read outside the lock, which the scheduler takes every
+        step: loading a large adapter never holds up the steps of the requests already running."""
         with self._lock:
-            self._residency.add(lora)
+            if self._residency.known(lora.lora_name) == lora:
+                return
+        weights = self._load(lora)
+        with self._lock:
+            self._residency.add(lora, weights)
 
     def remove(self, name: str) -> bool:
         with self._lock:

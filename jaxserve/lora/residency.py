@@ -29,9 +29,10 @@ class LoRAResidency:
         self._pins: collections.Counter[str] = collections.Counter()
         self._removed: set[str] = set()  # removed while pinned: their slots are freed at the last release
 
-    def add(self, lora: LoRARequest) -> None:
-        """Registers `lora` and reads it into the host cache (LoRAError if it cannot be served). The same
-        request again does nothing; another request under a known name or id is a ValueError."""
+    def add(self, lora: LoRARequest, weights: AdapterWeights | None = None) -> None:
+        """Registers `lora` and reads it into the host cache (LoRAError if it cannot be served), or takes
+        `weights` already read. The same request again does nothing; another request under a known name
+        or id is a ValueError."""
         known = self._known.get(lora.name)
         if known == lora:
             return
@@ -45,7 +46,7 @@ class LoRAResidency:
         if lora.name in self._owner and self._owner[lora.name] != lora:
             raise ValueError(f"LoRA adapter {lora.name!r} was unloaded but requests still run with it; "
                              f"add it again once they finish")
-        self._cache(lora.name, self.load(lora))
+        self._cache(lora.name, self.load(lora) if weights is None else weights)
         self._known[lora.name] = lora
         self._removed.discard(lora.name)
 
