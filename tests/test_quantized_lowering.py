@@ -20,25 +20,30 @@ TINY_LLAMA = ModelConfig(architecture="llama", vocab_size=320, hidden_size=64, n
                          num_kv_heads=2, head_dim=64, intermediate_size=128, rms_norm_eps=1e-5,
                          rope=RopeConfig(theta=10000.0), max_position_embeddings=512, tie_word_embeddings=True)
 # w_qkv, wo, w_gate_up, w_down in the one function every layer calls (forward's jitted `_layer`), then
-# the LM head: dots as written in the module
-NUM_WEIGHT_DOTS = 4 + 1
+# the LM head (int8 only: fp8 keeps it in the model's dtype, as vLLM does): dots as written in the module
+NUM_WEIGHT_DOTS = {"int8": 4 + 1, "fp8": 4}
 EXPECTED_DOT = {"fp8": "f8E4M3FN x f8E4M3FN -> f32", "int8": "i8 x i8 -> i32"}
+FLOAT_DOT = {"bfloat16": "bf16 x bf16 -> f32", "float32": "f32 x f32 -> f32"}
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("quantization", ["fp8", "int8"])
 def test_the_cuda_step_takes_8_bit_operands_into_its_dots(quantization, dtype):
-    """Every bucket lowers for CUDA; each has one 8-bit dot per weight matrix and LM head, of the expected
-    operand and accumulator types, and widens no 8-bit matrix."""
+    """Every bucket lowers for CUDA; each has one 8-bit dot per weight matrix (and the LM head under int8),
+    of the expected operand and accumulator types, and widens no 8-bit matrix; fp8's LM head is a dot in
+    the model's dtype."""
     cfg = EngineConfig(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, num_kv_pages=32,
                        quantization=quantization, dtype=dtype)
     results = check_lowering(TINY_LLAMA, cfg, platform="cuda")
     assert results and all(r.ok for r in results), format_results(results, "cuda")
     for r in results:
-        assert r.dots.get(EXPECTED_DOT[quantization]) == NUM_WEIGHT_DOTS, (r.kind, r.bucket, r.dots)
+        assert r.dots.get(EXPECTED_DOT[quantization]) == NUM_WEIGHT_DOTS[quantization], (r.kind, r.bucket, r.dots)
         assert not [key for key in r.dots if key != EXPECTED_DOT[quantization] and "8" in key.split(" x ")[0]]
         assert r.widened == [], (r.kind, r.bucket, r.widened)
-    assert "8-bit dots: 5, 8-bit matrices widened: 0" in format_results(results, "cuda")
+        if quantization == "fp8":
+            assert r.dots.get(FLOAT_DOT[dtype], 0) >= 1, (r.kind, r.bucket, r.dots)
+    expected = f"8-bit dots: {NUM_WEIGHT_DOTS[quantization]}, 8-bit matrices widened: 0"
+    assert expected in format_results(results, "cuda")
 
 
 def test_a_checkpoints_quantization_lowers_without_the_flag():
@@ -46,7 +51,7 @@ def test_a_checkpoints_quantization_lowers_without_the_flag():
     model = ModelConfig(**{**TINY_LLAMA.__dict__, "quantization": "fp8"})
     results = check_lowering(model, EngineConfig(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
                                                  num_kv_pages=32), platform="cuda")
-    assert all(r.ok and r.dots.get(EXPECTED_DOT["fp8"]) == NUM_WEIGHT_DOTS and not r.widened for r in results)
+    assert all(r.ok and r.dots.get(EXPECTED_DOT["fp8"]) == NUM_WEIGHT_DOTS["fp8"] and not r.widened for r in results)
 
 
 def test_unquantized_steps_have_no_8_bit_dots():
@@ -54,7 +59,7 @@ def test_unquantized_steps_have_no_8_bit_dots():
     results = check_lowering(TINY_LLAMA, EngineConfig(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
                                                       num_kv_pages=32), platform="cuda")
     assert all(r.ok and not any(key.startswith(("i8", "f8")) for key in r.dots) for r in results)
-    assert all(r.dots.get("bf16 x bf16 -> f32", 0) + r.dots.get("bf16 x bf16 -> bf16", 0) >= NUM_WEIGHT_DOTS
+    assert all(r.dots.get("bf16 x bf16 -> f32", 0) + r.dots.get("bf16 x bf16 -> bf16", 0) >= NUM_WEIGHT_DOTS["int8"]
                for r in results), [r.dots for r in results]
 
 
