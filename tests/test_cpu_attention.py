@@ -114,8 +114,9 @@ def test_the_c_page_writer_writes_what_xlas_scatter_writes_in_place(page_dtype):
 def test_bf16_products_round_the_prompt_tiles_operands_only(head_dim, page_size, group, window, soft_cap):
     """backend "cpu-bf16" (the kernel's bf16_products): on an AVX512-BF16 CPU the prompt tiles multiply
     queries, keys, softmax weights and values rounded to bfloat16, so they agree with the reference on
-    rounded q, k, v to bfloat16's precision and differ from float32's products; rows attended one by one
-    (decode rows, short runs) are float32's exactly. Without the instruction the flag changes nothing."""
+    rounded q, k, v to bfloat16's precision and differ from float32's products; over float32 pages, rows
+    attended one by one (decode rows, short runs) are float32's exactly. Without the instruction the flag
+    changes nothing."""
     lengths = long_chunk_lengths(page_size)
     q, k, v, md, real_tokens = build_case(lengths, page_size=page_size, head_dim=head_dim, group=group,
                                           dtype="float32", seed=4)
@@ -136,6 +137,38 @@ def test_bf16_products_round_the_prompt_tiles_operands_only(head_dim, page_size,
                                                          md.kv_lens, md.block_tables, **kw))
     np.testing.assert_allclose(out["cpu-bf16"][tiled], ref[tiled], atol=2e-2, rtol=2e-2)
     assert np.abs(out["cpu-bf16"][tiled] - out["cpu"][tiled]).max() > 1e-4, "the tiles' products stayed float32"
+
+
+@pytest.mark.parametrize("head_dim,page_size,group,window,soft_cap", CASES[:4])
+def test_bf16_products_score_decode_rows_on_bfloat16_pages_as_they_lie(head_dim, page_size, group, window,
+                                                                       soft_cap):
+    """cpu-bf16 over bfloat16 pages: a decode row's scores multiply the pages' own bfloat16 keys by the query
+    rounded to bfloat16 (vdpbf16ps, float32 sums), so the row agrees with the reference on the rounded query
+    far more closely than with float32 queries, and differs from backend "cpu" (float32 queries) on the same
+    pages. Its weighted sum of values is float32's. Without the instruction the flag changes nothing."""
+    q, k, v, md, real_tokens = build_case(decode_lengths(page_size), page_size=page_size, head_dim=head_dim,
+                                          group=group, dtype="float32", seed=8)
+    k16, v16 = to_page_dtype(k, "bfloat16"), to_page_dtype(v, "bfloat16")
+    kw = dict(scale=head_dim ** -0.5, sliding_window=window, soft_cap=soft_cap)
+    out = {b: np.asarray(jax.jit(functools.partial(paged_attention, backend=b, decode_only=True, **kw))(
+        q, k16, v16, LAYER, md))[:real_tokens] for b in ("cpu", "cpu-bf16")}
+    if not cpu_ffi.bf16_dot_instructions():
+        np.testing.assert_array_equal(out["cpu-bf16"], out["cpu"])
+        return
+
+    def reference(queries):
+        return np.asarray(pk.ragged_paged_attention_reference(queries, k16.astype(jnp.float32), v16.astype(jnp.float32),
+                                                              LAYER, md.cu_q_lens, md.kv_lens, md.block_tables,
+                                                              **kw))[:real_tokens]
+
+    scale = kw["scale"]  # the kernel rounds the scaled query
+    rounded = reference((jnp.asarray(q) * scale).astype(jnp.bfloat16).astype(jnp.float32) / scale)
+    exact = reference(q)
+    np.testing.assert_allclose(out["cpu"], exact, atol=2e-5, rtol=1e-5)
+    rounding = np.abs(rounded - exact).max()
+    assert rounding > 1e-4, "the case must be one where rounding the query shows"
+    assert np.abs(out["cpu-bf16"] - rounded).max() < rounding / 20, (np.abs(out["cpu-bf16"] - rounded).max(), rounding)
+    assert np.abs(out["cpu-bf16"] - out["cpu"]).max() > rounding / 2
 
 
 def test_cpu_kernel_reads_the_layer_it_is_given_inside_a_layer_loop():

@@ -282,8 +282,9 @@ def paged_row_attention(q, k_pages, v_pages, layer, kv_lens, row_seqs, block_tab
     [R, H, D] float32, zeros where kv_len is 0. Pages in float32, bfloat16 or float8 e4m3 (kv_cache_dtype;
     read and widened to float32 in the kernel: a half or a quarter of the bytes).
 
-    bf16_products: the prompt tiles' two products take operands rounded to bfloat16 (float32 sums),
-    where the kernels are built for AVX512-BF16 (`bf16_dot_instructions`); ignored elsewhere."""
+    bf16_products: the prompt tiles' two products take operands rounded to bfloat16 (float32 sums), and
+    over bfloat16 pages a decode row's scores take its query rounded to bfloat16, where the kernels are
+    built for AVX512-BF16 (`bf16_dot_instructions`); ignored elsewhere."""
     assert k_pages.dtype == v_pages.dtype and k_pages.dtype in _PAGE_SUFFIX, k_pages.dtype
     target = "jaxserve_paged_row_attention" + _PAGE_SUFFIX[k_pages.dtype]
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))

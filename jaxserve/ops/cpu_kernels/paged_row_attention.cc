@@ -16,8 +16,10 @@
 // scale 1.0), widened to float32 as they are read. With `bf16_products` set, on a CPU with AVX512-BF16, a
 // tile's two products take bfloat16 operands (queries, keys, the softmax weights and values rounded
 // to nearest, float32 sums; see TileBf16): one vdpbf16ps adds two products to 16 float32 sums,
-// twice float32's multiply rate. Elsewhere the flag is ignored (float32 is then the fast path). A row
-// with kv_len 0 (padding) gets zeros.
+// twice float32's multiply rate; and a row attended on its own over bfloat16 pages scores its keys as
+// they lie in the page against its query rounded to bfloat16 (GroupedScores), its weighted sum of the
+// values staying float32. Elsewhere the flag is ignored (float32 is then the fast path). A row with
+// kv_len 0 (padding) gets zeros.
 
 #include <algorithm>
 #include <array>
@@ -149,6 +151,67 @@ void FoldLanes(Vec* v) {
   }
 }
 
+#ifdef __AVX512BF16__
+constexpr bool kBf16Products = kLanes == 16;
+#else
+constexpr bool kBf16Products = false;
+#endif
+
+// A tile's two products with bfloat16 operands: each 32-bit lane of a PairVec holds a pair of
+// bfloat16 (the element for the even index in the low half), and DotPairs adds both products of a
+// broadcast pair and a vector of pairs to float32 sums (vdpbf16ps). The scores pair along D
+// (queries [D / 2, kTileLanes], each key [D / 2]); the weighted sum pairs along keys (weights
+// [keys / 2, kTileLanes], values [keys / 2, D]). Every operand is rounded once per tile, before its
+// products; the values are read from their pages once for all the tile's lanes.
+using PairVec = UintVec;  // two bfloat16 in each 32-bit lane
+typedef uint32_t UnalignedPairVec __attribute__((vector_size(kLanes * sizeof(uint32_t)), aligned(4)));
+
+inline PairVec LoadPairs(const uint32_t* x) { return *reinterpret_cast<const UnalignedPairVec*>(x); }
+inline void StorePairs(uint32_t* x, PairVec v) { *reinterpret_cast<UnalignedPairVec*>(x) = v; }
+
+// bfloat16 bits of x rounded to nearest even, in the high half of each lane (x finite).
+inline PairVec RoundHigh(Vec x) {
+  PairVec bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+}
+inline uint32_t RoundHigh(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+}
+inline PairVec Pairs(Vec even, Vec odd) { return (RoundHigh(even) >> 16) | RoundHigh(odd); }
+inline uint32_t Pair(float even, float odd) { return (RoundHigh(even) >> 16) | RoundHigh(odd); }
+
+inline Vec DotPairs(Vec acc, uint32_t pair, PairVec pairs) {
+#ifdef __AVX512BF16__
+  if constexpr (kLanes == 16) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair)), (__m512bh)pairs);
+  }
+#endif
+  const auto widen = [](PairVec bits) {
+    Vec v;
+    std::memcpy(&v, &bits, sizeof(v));
+    return v;
+  };
+  const PairVec broadcast = PairVec{} + pair;
+  return acc + widen(broadcast << 16) * widen(pairs << 16) + widen(broadcast & 0xffff0000u) * widen(pairs & 0xffff0000u);
+}
+
+// acc + both products of each lane's pairs a and b (a row of bfloat16 as it lies in memory is a run of
+// such pairs, which is how a decode row's scores read bfloat16 pages: GroupedScores).
+inline Vec DotPairs(Vec acc, PairVec a, PairVec b) {
+#ifdef __AVX512BF16__
+  if constexpr (kLanes == 16) return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+#endif
+  const auto widen = [](PairVec bits) {
+    Vec v;
+    std::memcpy(&v, &bits, sizeof(v));
+    return v;
+  };
+  return acc + widen(a << 16) * widen(b << 16) + widen(a & 0xffff0000u) * widen(b & 0xffff0000u);
+}
+
 struct Scratch {
   std::vector<float> scores, acc, row_max, row_sum;
   std::vector<Vec> parts;
@@ -219,34 +282,68 @@ class SpreadPrefetch {
 // in the cache (the next page arriving meanwhile, see SpreadPrefetch). A KV head's G queries stay in
 // registers while its keys in the page are scored, its G accumulators while its values are summed;
 // dot products are folded kLanes at a time (see FoldLanes).
-template <typename Page, int DV, int G>
-void AttendGrouped(const Problem<Page>& p, const RowKeys<Page>& keys, float* out_rows, const float* q_rows,
+// Whether AttendGrouped can score bfloat16 pages with vdpbf16ps (see GroupedScores).
+template <typename Page>
+constexpr bool kPairScores = kBf16Products && std::is_same_v<Page, Bf16>;
+
+// The scores pass of AttendGrouped: scores[h, i] = q_h . key i (q scaled), each page's keys read once
+// for every KV head. kPairs (bfloat16 pages with bf16_products): a key's D elements are used as they
+// lie in the page, D / 2 pairs of bfloat16, against queries rounded once into the same pairs, and one
+// vdpbf16ps adds 32 products into 16 float32 partial sums: no widening of the keys, half the
+// instructions a key. Otherwise keys are widened to float32 and multiplied by float32 queries.
+template <typename Page, int DV, int G, bool kPairs>
+void GroupedScores(const Problem<Page>& p, const RowKeys<Page>& keys, const float* q_rows, int64_t padded,
                    Scratch& scratch) {
   constexpr int64_t D = DV * kLanes;
+  constexpr int kPairVectors = DV / 2;  // a row's D / 2 pairs, kLanes to a vector
   const int64_t kv_heads = p.num_heads / G, stride = p.token_stride, page_bytes = p.page_size * stride * sizeof(Page);
-  const int64_t count = keys.kv_len - keys.start, padded = (count + kLanes - 1) / kLanes * kLanes;
-  auto& scores = scratch.scores;  // [KVH * G, padded]
-  scores.resize(kv_heads * G * padded);
+  const int64_t count = keys.kv_len - keys.start;
+  float* scores = scratch.scores.data();
   scratch.parts.resize(kv_heads * G * kLanes);  // a KV head's lanes may straddle pages
+  uint32_t* query_pairs = nullptr;  // [KVH * G, D / 2]
+  if constexpr (kPairs) {
+    scratch.query_pairs.resize(kv_heads * G * D / 2);
+    query_pairs = scratch.query_pairs.data();
+    for (int64_t e = 0; e < kv_heads * G * D / 2; ++e) {
+      query_pairs[e] = Pair(q_rows[2 * e] * p.scale, q_rows[2 * e + 1] * p.scale);
+    }
+  }
   keys.ForEachPage(p.k, [&](int64_t first, const Page* rows, int64_t n, const Page* next) {
     SpreadPrefetch prefetch(next, page_bytes, kv_heads * n);
     for (int64_t kv_head = 0; kv_head < kv_heads; ++kv_head) {
-      const float* q_group = q_rows + kv_head * G * D;
-      Vec q[G][DV];
-      for (int j = 0; j < G; ++j)
-        for (int v = 0; v < DV; ++v) q[j][v] = Load(q_group + j * D + v * kLanes) * p.scale;
+      Vec q[G][kPairs ? 1 : DV];
+      [[maybe_unused]] PairVec q_pairs[G][kPairs ? kPairVectors : 1];
+      if constexpr (kPairs) {
+        const uint32_t* group_pairs = query_pairs + kv_head * G * D / 2;
+        for (int j = 0; j < G; ++j)
+          for (int v = 0; v < kPairVectors; ++v) q_pairs[j][v] = LoadPairs(group_pairs + j * D / 2 + v * kLanes);
+      } else {
+        const float* q_group = q_rows + kv_head * G * D;
+        for (int j = 0; j < G; ++j)
+          for (int v = 0; v < DV; ++v) q[j][v] = Load(q_group + j * D + v * kLanes) * p.scale;
+      }
       Vec* parts = scratch.parts.data() + kv_head * G * kLanes;
-      float* head_scores = scores.data() + kv_head * G * padded;
+      float* head_scores = scores + kv_head * G * padded;
       const Page* key = rows + kv_head * D;
       for (int64_t i = first; i < first + n; ++i, key += stride) {
         prefetch.Step();
-        Vec k[DV];
-        for (int v = 0; v < DV; ++v) k[v] = Load(key + v * kLanes);
         const int64_t lane = i % kLanes;
-        for (int j = 0; j < G; ++j) {
-          Vec part = q[j][0] * k[0];
-          for (int v = 1; v < DV; ++v) part += q[j][v] * k[v];
-          parts[j * kLanes + lane] = part;
+        if constexpr (kPairs) {
+          PairVec k[kPairVectors];
+          for (int v = 0; v < kPairVectors; ++v) k[v] = LoadPairs(reinterpret_cast<const uint32_t*>(key) + v * kLanes);
+          for (int j = 0; j < G; ++j) {
+            Vec part = DotPairs(Vec{}, q_pairs[j][0], k[0]);
+            for (int v = 1; v < kPairVectors; ++v) part = DotPairs(part, q_pairs[j][v], k[v]);
+            parts[j * kLanes + lane] = part;
+          }
+        } else {
+          Vec k[DV];
+          for (int v = 0; v < DV; ++v) k[v] = Load(key + v * kLanes);
+          for (int j = 0; j < G; ++j) {
+            Vec part = q[j][0] * k[0];
+            for (int v = 1; v < DV; ++v) part += q[j][v] * k[v];
+            parts[j * kLanes + lane] = part;
+          }
         }
         if (lane == kLanes - 1 || i == count - 1) {
           for (int j = 0; j < G; ++j) {
@@ -259,6 +356,21 @@ void AttendGrouped(const Problem<Page>& p, const RowKeys<Page>& keys, float* out
       }
     }
   });
+}
+
+template <typename Page, int DV, int G>
+void AttendGrouped(const Problem<Page>& p, const RowKeys<Page>& keys, float* out_rows, const float* q_rows,
+                   Scratch& scratch) {
+  constexpr int64_t D = DV * kLanes;
+  const int64_t kv_heads = p.num_heads / G, stride = p.token_stride, page_bytes = p.page_size * stride * sizeof(Page);
+  const int64_t count = keys.kv_len - keys.start, padded = (count + kLanes - 1) / kLanes * kLanes;
+  auto& scores = scratch.scores;  // [KVH * G, padded]
+  scores.resize(kv_heads * G * padded);
+  if (kPairScores<Page> && p.bf16_products) {
+    GroupedScores<Page, DV, G, kPairScores<Page>>(p, keys, q_rows, padded, scratch);
+  } else {
+    GroupedScores<Page, DV, G, false>(p, keys, q_rows, padded, scratch);
+  }
   auto& inv_sums = scratch.row_sum;  // [KVH * G]
   inv_sums.resize(kv_heads * G);
   for (int64_t h = 0; h < kv_heads * G; ++h) {
@@ -459,53 +571,6 @@ void TileScores(const Problem<Page>& p, const TileJob& job, int64_t padded, Scra
     for (int j = 0; j < kKeyTile; ++j)
       for (int v = 0; v < kTileVectors; ++v) Store(scores + (i0 + j) * kTileLanes + v * kLanes, acc[j][v]);
   }
-}
-
-#ifdef __AVX512BF16__
-constexpr bool kBf16Products = kLanes == 16;
-#else
-constexpr bool kBf16Products = false;
-#endif
-
-// A tile's two products with bfloat16 operands: each 32-bit lane of a PairVec holds a pair of
-// bfloat16 (the element for the even index in the low half), and DotPairs adds both products of a
-// broadcast pair and a vector of pairs to float32 sums (vdpbf16ps). The scores pair along D
-// (queries [D / 2, kTileLanes], each key [D / 2]); the weighted sum pairs along keys (weights
-// [keys / 2, kTileLanes], values [keys / 2, D]). Every operand is rounded once per tile, before its
-// products; the values are read from their pages once for all the tile's lanes.
-using PairVec = UintVec;  // two bfloat16 in each 32-bit lane
-typedef uint32_t UnalignedPairVec __attribute__((vector_size(kLanes * sizeof(uint32_t)), aligned(4)));
-
-inline PairVec LoadPairs(const uint32_t* x) { return *reinterpret_cast<const UnalignedPairVec*>(x); }
-inline void StorePairs(uint32_t* x, PairVec v) { *reinterpret_cast<UnalignedPairVec*>(x) = v; }
-
-// bfloat16 bits of x rounded to nearest even, in the high half of each lane (x finite).
-inline PairVec RoundHigh(Vec x) {
-  PairVec bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-}
-inline uint32_t RoundHigh(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-}
-inline PairVec Pairs(Vec even, Vec odd) { return (RoundHigh(even) >> 16) | RoundHigh(odd); }
-inline uint32_t Pair(float even, float odd) { return (RoundHigh(even) >> 16) | RoundHigh(odd); }
-
-inline Vec DotPairs(Vec acc, uint32_t pair, PairVec pairs) {
-#ifdef __AVX512BF16__
-  if constexpr (kLanes == 16) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair)), (__m512bh)pairs);
-  }
-#endif
-  const auto widen = [](PairVec bits) {
-    Vec v;
-    std::memcpy(&v, &bits, sizeof(v));
-    return v;
-  };
-  const PairVec broadcast = PairVec{} + pair;
-  return acc + widen(broadcast << 16) * widen(pairs << 16) + widen(broadcast & 0xffff0000u) * widen(pairs & 0xffff0000u);
 }
 
 template <int DV>
