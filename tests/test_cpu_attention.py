@@ -139,13 +139,38 @@ def test_bf16_products_round_the_prompt_tiles_operands_only(head_dim, page_size,
     assert np.abs(out["cpu-bf16"][tiled] - out["cpu"][tiled]).max() > 1e-4, "the tiles' products stayed float32"
 
 
+def rounded_decode_reference(q, k_pages, v_pages, md, num_rows, scale, window, soft_cap):
+    """Decode rows as cpu-bf16 computes them over bfloat16 pages, in numpy: the scaled query rounded to
+    bfloat16, float32 scores and softmax, the numerators rounded to bfloat16 before they weight the values,
+    the sum divided by the unrounded numerators' sum."""
+    bf16 = lambda x: np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32))  # noqa: E731
+    k, v = (np.asarray(x.astype(jnp.float32))[LAYER] for x in (k_pages, v_pages))
+    cu, kv_lens, tables = (np.asarray(x) for x in (md.cu_q_lens, md.kv_lens, md.block_tables))
+    num_kv_heads, head_dim, page_size = k.shape[2], k.shape[3], k.shape[1]
+    out = np.zeros((num_rows, q.shape[1], head_dim), np.float32)
+    for seq, n in enumerate(kv_lens):
+        for row in range(cu[seq], min(cu[seq + 1], num_rows)):
+            pos = np.arange(max(n - window, 0) if window else 0, n)
+            if not len(pos):
+                continue
+            keys, values = (x[tables[seq, pos // page_size], pos % page_size] for x in (k, v))  # [n, KVH, D]
+            qs = bf16(np.asarray(q[row]) * scale).reshape(num_kv_heads, -1, head_dim)
+            scores = np.einsum("hgd,nhd->hgn", qs, keys)
+            if soft_cap:
+                scores = soft_cap * np.tanh(scores / soft_cap)
+            e = np.exp(scores - scores.max(-1, keepdims=True))
+            out[row] = (np.einsum("hgn,nhd->hgd", bf16(e), values) / e.sum(-1)[..., None]).reshape(-1, head_dim)
+    return out
+
+
 @pytest.mark.parametrize("head_dim,page_size,group,window,soft_cap", CASES[:4])
-def test_bf16_products_score_decode_rows_on_bfloat16_pages_as_they_lie(head_dim, page_size, group, window,
-                                                                       soft_cap):
-    """cpu-bf16 over bfloat16 pages: a decode row's scores multiply the pages' own bfloat16 keys by the query
-    rounded to bfloat16 (vdpbf16ps, float32 sums), so the row agrees with the reference on the rounded query
-    far more closely than with float32 queries, and differs from backend "cpu" (float32 queries) on the same
-    pages. Its weighted sum of values is float32's. Without the instruction the flag changes nothing."""
+def test_bf16_products_attend_decode_rows_on_bfloat16_pages_as_they_lie(head_dim, page_size, group, window,
+                                                                        soft_cap):
+    """cpu-bf16 over bfloat16 pages: a decode row multiplies the pages' own bfloat16 keys and values by its
+    query and its softmax weights rounded to bfloat16 (vdpbf16ps, float32 sums), so it agrees with a
+    reference that rounds the same operands far more closely than rounding moves the result, and differs
+    from backend "cpu" (float32 queries and weights) on the same pages. Without the instruction the flag
+    changes nothing."""
     q, k, v, md, real_tokens = build_case(decode_lengths(page_size), page_size=page_size, head_dim=head_dim,
                                           group=group, dtype="float32", seed=8)
     k16, v16 = to_page_dtype(k, "bfloat16"), to_page_dtype(v, "bfloat16")
@@ -155,18 +180,13 @@ def test_bf16_products_score_decode_rows_on_bfloat16_pages_as_they_lie(head_dim,
     if not cpu_ffi.bf16_dot_instructions():
         np.testing.assert_array_equal(out["cpu-bf16"], out["cpu"])
         return
-
-    def reference(queries):
-        return np.asarray(pk.ragged_paged_attention_reference(queries, k16.astype(jnp.float32), v16.astype(jnp.float32),
-                                                              LAYER, md.cu_q_lens, md.kv_lens, md.block_tables,
-                                                              **kw))[:real_tokens]
-
-    scale = kw["scale"]  # the kernel rounds the scaled query
-    rounded = reference((jnp.asarray(q) * scale).astype(jnp.bfloat16).astype(jnp.float32) / scale)
-    exact = reference(q)
+    exact = np.asarray(pk.ragged_paged_attention_reference(q, k16.astype(jnp.float32), v16.astype(jnp.float32),
+                                                           LAYER, md.cu_q_lens, md.kv_lens, md.block_tables,
+                                                           **kw))[:real_tokens]
     np.testing.assert_allclose(out["cpu"], exact, atol=2e-5, rtol=1e-5)
+    rounded = rounded_decode_reference(q, k16, v16, md, real_tokens, kw["scale"], window, soft_cap)
     rounding = np.abs(rounded - exact).max()
-    assert rounding > 1e-4, "the case must be one where rounding the query shows"
+    assert rounding > 1e-4, "the case must be one where rounding the operands shows"
     assert np.abs(out["cpu-bf16"] - rounded).max() < rounding / 20, (np.abs(out["cpu-bf16"] - rounded).max(), rounding)
     assert np.abs(out["cpu-bf16"] - out["cpu"]).max() > rounding / 2
 

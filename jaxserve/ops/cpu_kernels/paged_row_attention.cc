@@ -358,11 +358,88 @@ void GroupedScores(const Problem<Page>& p, const RowKeys<Page>& keys, const floa
   });
 }
 
+// Two keys' rows of bfloat16 as they lie in the page, a and b (kLanes == 16: 32 elements each), as two
+// vectors of pairs (a[d], b[d]): the low and high four d of each 128-bit lane (vpunpcklwd, vpunpckhwd),
+// so lane l of the low vector holds d = 8 (l / 4) + l % 4 and of the high one that + 4 (PairLaneDim).
+inline void InterleavePairs(const Bf16* a, const Bf16* b, PairVec& low, PairVec& high) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  const __m512i x = _mm512_loadu_si512(a), y = _mm512_loadu_si512(b);
+  low = (PairVec)_mm512_unpacklo_epi16(x, y);
+  high = (PairVec)_mm512_unpackhi_epi16(x, y);
+#else
+  for (int l = 0; l < kLanes; ++l) {
+    const int d = 8 * (l / 4) + l % 4;
+    low[l] = a[d] | static_cast<uint32_t>(b[d]) << 16;
+    high[l] = a[d + 4] | static_cast<uint32_t>(b[d + 4]) << 16;
+  }
+#endif
+}
+
+// The d of element e of a pair-summed accumulator row (GroupedValues): vector e / kLanes is the low
+// (even) or high (odd) half of 32 elements' InterleavePairs.
+inline int64_t PairLaneDim(int64_t e) {
+  const int64_t v = e / kLanes, l = e % kLanes;
+  return 32 * (v / 2) + 8 * (l / 4) + l % 4 + 4 * (v % 2);
+}
+
+// The values pass of AttendGrouped: acc[h] += weights[h, i] * value i over the row's keys (the softmax's
+// numerators in scores), page by page, each page's values read once for every KV head. kPairs
+// (bfloat16 pages with bf16_products): two keys at a time, their values interleaved into pairs d by d
+// and each head's two weights rounded to a bfloat16 pair, one vdpbf16ps adding 32 products; the
+// accumulators then hold d in InterleavePairs' order (PairLaneDim), undone once by the caller. A page's
+// odd last key pairs with itself at weight 0.
+template <typename Page, int DV, int G, bool kPairs>
+void GroupedValues(const Problem<Page>& p, const RowKeys<Page>& keys, int64_t padded, Scratch& scratch) {
+  constexpr int64_t D = DV * kLanes;
+  const int64_t kv_heads = p.num_heads / G, stride = p.token_stride, page_bytes = p.page_size * stride * sizeof(Page);
+  const float* scores = scratch.scores.data();
+  float* acc_rows = scratch.acc.data();
+  keys.ForEachPage(p.v, [&](int64_t first, const Page* rows, int64_t n, const Page* next) {
+    SpreadPrefetch prefetch(next, page_bytes, kv_heads * n);
+    for (int64_t kv_head = 0; kv_head < kv_heads; ++kv_head) {
+      float* acc_group = acc_rows + kv_head * G * D;
+      const float* head_weights = scores + kv_head * G * padded;
+      Vec acc[G][DV];
+      for (int j = 0; j < G; ++j)
+        for (int v = 0; v < DV; ++v) acc[j][v] = Load(acc_group + j * D + v * kLanes);
+      const Page* value = rows + kv_head * D;
+      if constexpr (kPairs) {
+        for (int64_t i = first; i < first + n; i += 2, value += 2 * stride) {
+          prefetch.Step();
+          prefetch.Step();
+          const bool two = i + 1 < first + n;
+          PairVec val[DV];
+          for (int c = 0; c < DV / 2; ++c) {
+            InterleavePairs(value + 32 * c, (two ? value + stride : value) + 32 * c, val[2 * c], val[2 * c + 1]);
+          }
+          for (int j = 0; j < G; ++j) {
+            const float* w = head_weights + j * padded + i;
+            const uint32_t pair = Pair(w[0], two ? w[1] : 0.0f);
+            for (int v = 0; v < DV; ++v) acc[j][v] = DotPairs(acc[j][v], pair, val[v]);
+          }
+        }
+      } else {
+        for (int64_t i = first; i < first + n; ++i, value += stride) {
+          prefetch.Step();
+          Vec val[DV];
+          for (int v = 0; v < DV; ++v) val[v] = Load(value + v * kLanes);
+          for (int j = 0; j < G; ++j) {
+            const float w = head_weights[j * padded + i];
+            for (int v = 0; v < DV; ++v) acc[j][v] += w * val[v];
+          }
+        }
+      }
+      for (int j = 0; j < G; ++j)
+        for (int v = 0; v < DV; ++v) Store(acc_group + j * D + v * kLanes, acc[j][v]);
+    }
+  });
+}
+
 template <typename Page, int DV, int G>
 void AttendGrouped(const Problem<Page>& p, const RowKeys<Page>& keys, float* out_rows, const float* q_rows,
                    Scratch& scratch) {
   constexpr int64_t D = DV * kLanes;
-  const int64_t kv_heads = p.num_heads / G, stride = p.token_stride, page_bytes = p.page_size * stride * sizeof(Page);
+  const int64_t kv_heads = p.num_heads / G;
   const int64_t count = keys.kv_len - keys.start, padded = (count + kLanes - 1) / kLanes * kLanes;
   auto& scores = scratch.scores;  // [KVH * G, padded]
   scores.resize(kv_heads * G * padded);
@@ -395,32 +472,21 @@ void AttendGrouped(const Problem<Page>& p, const RowKeys<Page>& keys, float* out
   }
   auto& acc_rows = scratch.acc;  // [KVH * G, D], summed page by page
   acc_rows.assign(kv_heads * G * D, 0.0f);
-  keys.ForEachPage(p.v, [&](int64_t first, const Page* rows, int64_t n, const Page* next) {
-    SpreadPrefetch prefetch(next, page_bytes, kv_heads * n);
-    for (int64_t kv_head = 0; kv_head < kv_heads; ++kv_head) {
-      float* acc_group = acc_rows.data() + kv_head * G * D;
-      const float* head_weights = scores.data() + kv_head * G * padded;
-      Vec acc[G][DV];
-      for (int j = 0; j < G; ++j)
-        for (int v = 0; v < DV; ++v) acc[j][v] = Load(acc_group + j * D + v * kLanes);
-      const Page* value = rows + kv_head * D;
-      for (int64_t i = first; i < first + n; ++i, value += stride) {
-        prefetch.Step();
-        Vec val[DV];
-        for (int v = 0; v < DV; ++v) val[v] = Load(value + v * kLanes);
-        for (int j = 0; j < G; ++j) {
-          const float w = head_weights[j * padded + i];
-          for (int v = 0; v < DV; ++v) acc[j][v] += w * val[v];
-        }
-      }
-      for (int j = 0; j < G; ++j)
-        for (int v = 0; v < DV; ++v) Store(acc_group + j * D + v * kLanes, acc[j][v]);
+  const bool pairs = kPairScores<Page> && p.bf16_products;
+  if (pairs) {
+    GroupedValues<Page, DV, G, kPairScores<Page>>(p, keys, padded, scratch);
+  } else {
+    GroupedValues<Page, DV, G, false>(p, keys, padded, scratch);
+  }
+  for (int64_t h = 0; h < kv_heads * G; ++h) {
+    const float* acc = acc_rows.data() + h * D;
+    float* out = out_rows + h * D;
+    if (pairs) {
+      for (int64_t e = 0; e < D; ++e) out[PairLaneDim(e)] = acc[e] * inv_sums[h];
+    } else {
+      for (int v = 0; v < DV; ++v) Store(out + v * kLanes, Load(acc + v * kLanes) * inv_sums[h]);
     }
-  });
-  for (int64_t h = 0; h < kv_heads * G; ++h)
-    for (int v = 0; v < DV; ++v) {
-      Store(out_rows + h * D + v * kLanes, Load(acc_rows.data() + h * D + v * kLanes) * inv_sums[h]);
-    }
+  }
 }
 
 template <typename Page>
