@@ -6,7 +6,8 @@ A decode step has one row per sequence, so a program per (sequence, KV head) wou
 program writes its partial output and log-sum-exp, and XLA merges the splits. The query rows of a
 program are the GQA group of one KV head (padded to 8), not a prefill tile, so a decode row never
 pays for 64 // group tokens of query tiling. `decode_attention_reference` is the plain-jnp statement.
-Like the ragged kernel, it reads pages that `write_kv` (XLA) has already written.
+Like the ragged kernel, it reads pages that `write_kv` (XLA) has already written, in bfloat16 or
+float8 e4m3 (upcast in the kernel: `common.upcast_tile`).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def _kernel(kv_lens_ref, block_tables_ref, scalars_ref, q_ref, k_ref, v_ref, o_r
                               page_size=page_size, scale=scale, soft_cap=soft_cap, interpret=interpret)
 
     head_dim = q_smem.shape[1]
-    acc, m, l = pl.run_scoped(loop, *common.kv_scratch(cfg, head_dim, page_size, q_smem.dtype))
+    acc, m, l = pl.run_scoped(loop, *common.kv_scratch(cfg, head_dim, page_size, q_smem.dtype, k_ref.dtype))
     lse = jnp.where(l > 0, m + jnp.log2(jnp.where(l > 0, l, 1.0)), common.NEG_INF)  # base 2
     l = jnp.where(l > 0, l, 1.0)
 
@@ -99,18 +100,20 @@ def decode_attention(
 ):
     """Attention of each sequence's single new row over its paged keys; returns [T, H, D] in q's dtype.
 
+    Pages in bfloat16 (q is cast to it), or float8 e4m3 (upcast to q's dtype: bfloat16 on a GPU).
+
     Precondition (the engine's decode step guarantees it): every sequence has at most one query row.
     Sequences with none, and rows that belong to none, give zeros.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = k_pages.shape
     num_seqs, pages_per_seq = block_tables.shape
-    dtype = k_pages.dtype
     common.check_supported(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                           page_size=page_size, dtype=dtype, interpret=interpret)
+                           page_size=page_size, dtype=k_pages.dtype, interpret=interpret, q_dtype=q.dtype)
+    dtype = common.operand_dtype(k_pages.dtype, q.dtype)  # of Q, P and the K/V the wgmma reads
     group = num_heads // num_kv_heads
     group_rows = -(-group // 8) * 8  # TMA moves whole 8-row tiles of Q
-    cfg = common.choose_config(head_dim, page_size, decode=True)
+    cfg = common.choose_config(head_dim, page_size, decode=True, kv_itemsize=common.gpu_itemsize(k_pages.dtype))
     max_kv_tiles = common.cdiv(pages_per_seq * page_size, cfg.kv_tile)
     if num_splits is None:
         num_splits = default_num_splits(num_seqs, num_kv_heads, max_kv_tiles)

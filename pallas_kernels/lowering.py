@@ -19,7 +19,7 @@ from jax._src.lib.mlir import ir
 
 MOSAIC_GPU_TARGET = "mosaic_gpu_v2"
 _INSTRUCTIONS = re.compile(r"wgmma\.mma_async[\w.]*|cp\.async\.bulk\.tensor\.[\w.]*|mbarrier\.try_wait[\w.]*"
-                           r"|setmaxregister")
+                           r"|setmaxregister|cvt\.rn\.f16x2\.e4m3x2")
 _LAUNCH = re.compile(r'"stable_mosaic_gpu\.gpu\.launch"\(%\w+((?:, %\w+){7})\)')  # token, grid xyz, block xyz, smem
 _CONSTANT = re.compile(r'(%\w+) = "stable_mosaic_gpu\.arith\.constant"\(\) \{value = (\d+) : (?:index|i32)\}')
 THREADS_PER_WARPGROUP = 128
@@ -29,7 +29,7 @@ _KERNEL_NAME = re.compile(r'sym_name = "(\w+)_mosaic_gpu"')
 @dataclasses.dataclass(frozen=True)
 class LoweredKernel:
     name: str  # the kernel_name given to plgpu.kernel
-    instructions: tuple[str, ...]  # distinct wgmma / TMA / mbarrier-wait / setmaxregister ops in its module
+    instructions: tuple[str, ...]  # distinct wgmma / TMA / mbarrier-wait / setmaxregister / fp8-upcast ops
     threads_per_block: int = 0  # 0: no launch found
     smem_bytes: int = 0  # dynamic shared memory per block
 
@@ -44,6 +44,11 @@ class LoweredKernel:
     @property
     def uses_tma(self) -> bool:
         return any(i.startswith("cp.async.bulk.tensor") for i in self.instructions)
+
+    @property
+    def upcasts_fp8(self) -> bool:
+        """Whether it widens float8 e4m3 values (K/V tiles of fp8 pages) with Hopper's conversion."""
+        return "cvt.rn.f16x2.e4m3x2" in self.instructions
 
 
 def _custom_calls(lowered):

@@ -39,10 +39,10 @@ from pallas_kernels.common import COMPUTE_WARPGROUPS, ROWS
 
 
 def _kernel(meta_ref, kv_lens_ref, block_tables_ref, scalars_ref, q_ref, k_ref, v_ref, o_ref, q_smem, p_smem,
-            k_smem, v_smem, q_bar, k_full, v_full, k_free, v_free, *, group, cfg, page_size, scale, soft_cap,
-            interpret):
+            k_smem, v_smem, q_bar, k_full, v_full, k_free, v_free, *upcast_smem, group, cfg, page_size, scale,
+            soft_cap, interpret):
     """One program: consumers wg 0 and 1 (rows of tokens [0, 64 // group) and [64 // group, 2 x that) of
-    the tile), producer wg 2."""
+    the tile), producer wg 2. upcast_smem: for float8 pages, each consumer's upcast tile."""
     tile, kv_head, wg = lax.axis_index("tile"), lax.axis_index("kv_head"), lax.axis_index("wg")
     layer, window = scalars_ref[0], scalars_ref[1]
     seq, first_pos, num_q = meta_ref[0, tile], meta_ref[1, tile], meta_ref[2, tile]
@@ -88,7 +88,7 @@ def _kernel(meta_ref, kv_lens_ref, block_tables_ref, scalars_ref, q_ref, k_ref, 
         lax.fori_loop(0, lo, pass_over, None)
         acc, _, l = _consume(q_wg, p_wg, k_smem, v_smem, k_full, v_full, k_free, v_free, lo=lo, hi=hi,
                              first_kv_tile=first_kv_tile, mask_of=mask_of, cfg=cfg, scale=scale, soft_cap=soft_cap,
-                             interpret=interpret)
+                             interpret=interpret, upcast=(upcast_smem[0], wg) if upcast_smem else None)
         lax.fori_loop(hi, num_kv_tiles, pass_over, None)
 
         @pl.when(wg_num_q > 0)
@@ -148,9 +148,10 @@ def _produce(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free, block
 
 
 def _consume(q_smem, p_smem, k_smem, v_smem, k_full, v_full, k_free, v_free, *, lo, hi, first_kv_tile, mask_of,
-             cfg, scale, soft_cap, interpret):
+             cfg, scale, soft_cap, interpret, upcast=None):
     """Online softmax of one warpgroup's Q tile [ROWS, D] over ring steps [lo, hi); returns (acc chunks, m, l),
-    m and the exponentials in base 2. Each step frees its K slot after QK^T and its V slot after PV."""
+    m and the exponentials in base 2. Each step frees its K slot after QK^T and its V slot after PV.
+    upcast: (tiles, index) of this warpgroup's upcast tile for float8 pages (`common.kv_operand`), else None."""
     head_dim, dtype = q_smem.shape[1], q_smem.dtype
     tk, stages = cfg.kv_tile, cfg.num_stages
     chunk = min(head_dim, 128)  # PV in column chunks: fresh accumulators keep register use bounded
@@ -160,12 +161,13 @@ def _consume(q_smem, p_smem, k_smem, v_smem, k_full, v_full, k_free, v_free, *, 
         acc, m, l = carry
         slot = lax.rem(step, stages)
         plgpu.barrier_wait(k_full.at[slot])
+        k_tiles, k_index = common.kv_operand(k_smem, slot, upcast)
         if interpret:
-            s = lax.dot_general(q_smem[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
+            s = lax.dot_general(q_smem[...], k_tiles.at[k_index][...], (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32)
         else:
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tiles.at[k_index], (1, 0)))
                 return acc_ref[...]
             s = pl.run_scoped(qk, plgpu.ACC((ROWS, tk), jnp.float32))
         plgpu.barrier_arrive(k_free.at[slot])  # reading the accumulator waited for the wgmma
@@ -182,10 +184,11 @@ def _consume(q_smem, p_smem, k_smem, v_smem, k_full, v_full, k_free, v_free, *, 
         p_smem[...] = p.astype(dtype)
         plgpu.commit_smem()  # P's generic-proxy stores must be visible to the wgmma below
         plgpu.barrier_wait(v_full.at[slot])
+        v_tiles, v_index = common.kv_operand(v_smem, slot, upcast)
         new_acc = []
         for c, a in enumerate(acc):
             def pv(acc_ref, c=c):
-                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot, :, pl.ds(c * chunk, chunk)])
+                plgpu.wgmma(acc_ref, p_smem, v_tiles.at[v_index, :, pl.ds(c * chunk, chunk)])
                 return acc_ref[...]
             pv_c = pl.run_scoped(pv, plgpu.ACC((ROWS, chunk), jnp.float32))
             new_acc.append(a * lax.broadcast_in_dim(alpha, a.shape, [0]) + pv_c)
@@ -237,16 +240,18 @@ def ragged_paged_attention(
     """Causal attention of every query row over its sequence's paged keys; returns [T, H, D] in q's dtype.
 
     Rows outside every sequence (padding) come back as zeros. See the module docstring for the tiling.
+    Pages in bfloat16 (q is cast to it), or float8 e4m3 (upcast to q's dtype: bfloat16 on a GPU).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = k_pages.shape
-    dtype = k_pages.dtype
+    kv_dtype = k_pages.dtype
     common.check_supported(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                           page_size=page_size, dtype=dtype, interpret=interpret)
+                           page_size=page_size, dtype=kv_dtype, interpret=interpret, q_dtype=q.dtype)
+    dtype = common.operand_dtype(kv_dtype, q.dtype)  # of Q, P, O and the K/V the wgmma reads
     group = num_heads // num_kv_heads
     wg_tokens = ROWS // group  # tokens per compute warpgroup; a program's tile has COMPUTE_WARPGROUPS of them
     tile_tokens = COMPUTE_WARPGROUPS * wg_tokens
-    cfg = common.choose_prefill_config(head_dim, page_size)
+    cfg = common.choose_prefill_config(head_dim, page_size, common.gpu_itemsize(kv_dtype))
     meta, rows = _tiles(cu_q_lens, kv_lens, num_tokens, tile_tokens)
     num_tiles = rows.shape[0]
 
@@ -264,19 +269,23 @@ def ragged_paged_attention(
         pl.when(meta_ref[2, lax.axis_index("tile")] > 0)(lambda: kernel(meta_ref, *refs))
 
     t = common.tile_transforms(dtype)
+    t_kv = t if kv_dtype == dtype else common.tile_transforms(kv_dtype, head_dim)
     copies = common.copies_per_kv_tile(cfg.kv_tile, page_size)
     ring = (cfg.num_stages, cfg.kv_tile, head_dim)
+    upcast = () if kv_dtype == dtype else (  # float8 pages: each consumer's K (then V) tile in bfloat16
+        plgpu.SMEM((COMPUTE_WARPGROUPS, cfg.kv_tile, head_dim), dtype, transforms=t),)
     entry = lambda *refs: pl.run_scoped(  # noqa: E731
         lambda *scratch: skip_empty(*refs, *scratch),
         plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, head_dim), dtype, transforms=t),  # Q, then O, per consumer
         plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS, cfg.kv_tile), dtype, transforms=t),  # P, per consumer
-        plgpu.SMEM(ring, dtype, transforms=t),  # K ring
-        plgpu.SMEM(ring, dtype, transforms=t),  # V ring
+        plgpu.SMEM(ring, kv_dtype, transforms=t_kv),  # K ring
+        plgpu.SMEM(ring, kv_dtype, transforms=t_kv),  # V ring
         plgpu.Barrier(num_arrivals=1, num_barriers=COMPUTE_WARPGROUPS),  # Q landed, per consumer
         plgpu.Barrier(num_arrivals=copies, num_barriers=cfg.num_stages),  # K slot full
         plgpu.Barrier(num_arrivals=copies, num_barriers=cfg.num_stages),  # V slot full
         plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=cfg.num_stages),  # K slot free
         plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=cfg.num_stages),  # V slot free
+        *upcast,
         collective_axes="wg",
     )
     num_tma_copies = 2 * cfg.num_stages * copies + COMPUTE_WARPGROUPS

@@ -10,6 +10,7 @@ bits). The writers clip to +-448 (float8_e4m3fn has no infinity; a larger value 
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -131,10 +132,11 @@ def test_an_fp8_engine_generates_with_no_compiles_after_warm_up(tiny_model_dir, 
     assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8]
 
 
-def test_the_pallas_kernels_refuse_fp8_pages_by_name_and_auto_takes_xla(caplog):
-    """The Pallas kernels do not read float8 pages yet: "auto" on a GPU serves them with XLA's attention
-    and says why; an explicit pallas backend is refused before anything compiles; the kernels themselves
-    refuse the dtype at trace time."""
+def test_the_pallas_kernels_take_fp8_pages_and_auto_picks_them_on_a_gpu(caplog):
+    """The Pallas kernels read float8 pages (upcast to the bfloat16 queries in the kernel): "auto" on a GPU
+    picks them for fp8 pages as for bfloat16 ones, and explicit pallas backends take them. A float32
+    engine's fp8 pages are refused on a GPU by name (Hopper has no tf32 product for V's layout): "auto"
+    then serves them with XLA's attention and says why; interpret mode still runs them."""
     from jaxserve.ops.attention_backends import resolve_attention_backend
 
     model = ModelConfig(architecture="llama", vocab_size=64, hidden_size=576, num_layers=2, num_heads=9,
@@ -142,9 +144,14 @@ def test_the_pallas_kernels_refuse_fp8_pages_by_name_and_auto_takes_xla(caplog):
                         rope=RopeConfig(theta=1e4), max_position_embeddings=128, tie_word_embeddings=True)
     fp8 = EngineConfig(dtype="bfloat16", kv_cache_dtype="fp8")
     assert resolve_attention_backend("auto", model, EngineConfig(dtype="bfloat16"), platform="gpu") == "pallas"
-    assert resolve_attention_backend("auto", model, fp8, platform="gpu") == "xla"
-    assert "float8 KV pages" in caplog.text
-    with pytest.raises(ValueError, match="pallas-interpret.*float8 KV pages"):
-        resolve_attention_backend("pallas-interpret", model, fp8, platform="cpu")
-    with pytest.raises(pk.UnsupportedShapeError, match="float8_e4m3fn is not supported"):
-        pk.check_supported(num_heads=9, num_kv_heads=3, head_dim=64, page_size=16, dtype=FP8, interpret=True)
+    assert resolve_attention_backend("auto", model, fp8, platform="gpu") == "pallas"
+    assert resolve_attention_backend("pallas", model, fp8, platform="gpu") == "pallas"
+    assert resolve_attention_backend("pallas-interpret", model, fp8, platform="cpu") == "pallas-interpret"
+    fp8_float32 = EngineConfig(dtype="float32", kv_cache_dtype="fp8")
+    with caplog.at_level(logging.WARNING, logger="jaxserve.ops.attention_backends"):
+        assert resolve_attention_backend("auto", model, fp8_float32, platform="gpu") == "xla"
+    assert "float8 KV pages read by float32 queries are not supported on GPU" in caplog.text
+    with pytest.raises(ValueError, match="'pallas' cannot run this model: float8 KV pages read by float32"):
+        resolve_attention_backend("pallas", model, fp8_float32, platform="gpu")
+    assert resolve_attention_backend("pallas-interpret", model, fp8_float32, platform="cpu") == "pallas-interpret"
+    pk.check_supported(num_heads=9, num_kv_heads=3, head_dim=64, page_size=16, dtype=FP8, interpret=False)

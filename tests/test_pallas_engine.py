@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -75,6 +76,28 @@ def test_pallas_interpret_generates_the_same_greedy_tokens_as_xla(llama64_dir):
             assert lp_a.keys() == lp_b.keys()
             np.testing.assert_allclose(list(lp_a.values()), list(lp_b.values()), atol=1e-4)
     assert len({tuple(r.outputs[0].token_ids) for r in xla}) > 1, "degenerate model: every output the same"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(ON_GPU, reason="interpret mode reads float8 pages with float32 queries, a CPU-only setting")
+def test_pallas_interpret_reads_fp8_pages_as_xla_does(llama64_dir):
+    """kv_cache_dtype "fp8" through the engine (a chunked 40-token prompt and a short one): the pages are
+    float8, written by XLA's clipping writer, and the Pallas kernels reading them give XLA's attention's
+    greedy tokens and logprobs on the same pages (both widen them exactly). Slow (about a minute
+    interpreted): the default run covers the kernels on fp8 pages (test_pallas_fp8) and the engine's
+    steps lowering with them (test_pallas_lowering)."""
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=3)
+    outputs = {}
+    for backend in ("xla", "pallas-interpret"):
+        llm = LLM(llama64_dir, attention_backend=backend, dtype="float32", kv_cache_dtype="fp8", **ENGINE)
+        assert llm.engine.runner.attention_backend == backend
+        assert {x.dtype for x in llm.engine.runner.kv_cache} == {jnp.dtype(jnp.float8_e4m3fn)}
+        outputs[backend] = llm.generate(_prompts()[:2], params, use_tqdm=False)
+    for a, b in zip(outputs["xla"], outputs["pallas-interpret"]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert lp_a.keys() == lp_b.keys()
+            np.testing.assert_allclose(list(lp_a.values()), list(lp_b.values()), atol=1e-4)
 
 
 @pytest.mark.gpu

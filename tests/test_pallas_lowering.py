@@ -55,9 +55,10 @@ def selectable_configs():
     return configs
 
 
-def lower_kernel(kernel, head_dim, page_size, group, soft_cap, num_kv_heads=2, num_tokens=32, num_seqs=8):
+def lower_kernel(kernel, head_dim, page_size, group, soft_cap, num_kv_heads=2, num_tokens=32, num_seqs=8,
+                 kv_dtype=jnp.bfloat16):
     dt, i32 = jnp.bfloat16, (lambda *s: jax.ShapeDtypeStruct(s, jnp.int32))
-    pages = jax.ShapeDtypeStruct((2, 64, page_size, num_kv_heads, head_dim), dt)
+    pages = jax.ShapeDtypeStruct((2, 64, page_size, num_kv_heads, head_dim), kv_dtype)
     args = (jax.ShapeDtypeStruct((num_tokens, group * num_kv_heads, head_dim), dt), pages, pages, i32(),
             i32(num_seqs + 1), i32(num_seqs), i32(num_seqs, 16))
     fn = functools.partial(kernel, scale=head_dim**-0.5, soft_cap=soft_cap)
@@ -81,18 +82,23 @@ def assert_launch_shape(lowered_kernel):
     assert 0 < lowered_kernel.smem_bytes <= 232448, lowered_kernel
 
 
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("kernel", [pk.ragged_paged_attention, pk.decode_attention], ids=["ragged", "decode"])
-def test_every_selectable_kernel_config_lowers_for_cuda(kernel):
+def test_every_selectable_kernel_config_lowers_for_cuda(kernel, kv_dtype):
     """Each (head_dim, page_size) the engine can select lowers to a Mosaic GPU kernel using wgmma and TMA,
     launched as the kernel's structure says (the ragged kernel: warp-specialized, 384 threads; its old
     single-warpgroup form launched 128 and fails here); GQA ratios 1, 3, 4, 8 and soft-cap on/off rotate
-    through the configs (neither changes block sizes)."""
+    through the configs (neither changes block sizes). With float8 pages (bfloat16 queries) each also
+    upcasts its K/V tiles with Hopper's e4m3 conversion and stays within shared memory; with bfloat16
+    pages none does (that path does no extra work)."""
     failures = []
     for i, (head_dim, page_size) in enumerate(selectable_configs()):
         group, soft_cap = GROUPS[i % len(GROUPS)], (0.0, 30.0)[i % 2]
         try:
-            (lowered_kernel,) = mosaic_kernels(lower_kernel(kernel, head_dim, page_size, group, soft_cap))
+            (lowered_kernel,) = mosaic_kernels(lower_kernel(kernel, head_dim, page_size, group, soft_cap,
+                                                            kv_dtype=kv_dtype))
             assert lowered_kernel.uses_wgmma and lowered_kernel.uses_tma, lowered_kernel
+            assert lowered_kernel.upcasts_fp8 == (kv_dtype == jnp.float8_e4m3fn), lowered_kernel
             assert_launch_shape(lowered_kernel)
         except Exception as e:  # noqa: BLE001 - collect them all: one run names every failing config
             failures.append(f"{head_dim=} {page_size=} {group=} {soft_cap=}: {type(e).__name__}: {e}"[:300])
@@ -139,6 +145,16 @@ def test_tiny_model_step_functions_lower_for_cuda():
     engine = EngineConfig(dtype="bfloat16", attention_backend="pallas", max_model_len=256, max_num_seqs=4,
                           max_num_batched_tokens=32, num_kv_pages=32)
     _assert_all_lowered_with_kernels(check_lowering(TINY_LLAMA, engine, platform="cuda"))
+
+
+def test_tiny_model_step_functions_lower_for_cuda_with_fp8_pages():
+    """kv_cache_dtype fp8 with the Pallas backend: every prefill and decode step of a tiny llama lowers
+    for CUDA with the kernels reading the float8 pages (each upcasts its K/V tiles)."""
+    engine = EngineConfig(dtype="bfloat16", attention_backend="pallas", kv_cache_dtype="fp8", max_model_len=256,
+                          max_num_seqs=4, max_num_batched_tokens=32, num_kv_pages=32)
+    results = check_lowering(TINY_LLAMA, engine, platform="cuda")
+    _assert_all_lowered_with_kernels(results)
+    assert all(k.upcasts_fp8 for r in results for k in r.kernels), format_results(results, "cuda")
 
 
 def test_gemma3_shapes_lower_for_cuda():

@@ -8,9 +8,9 @@ and which matmul (`resolve_matmul_backend`).
   pallas            `pallas_kernels` (Mosaic GPU, Hopper): the ragged kernel for the prefill entry point,
                     the flash-decoding kernel for the decode entry point.
   pallas-interpret  the same kernels run by JAX's GPU interpreter on the CPU: tests and debugging, slow.
-  auto              pallas on a Hopper GPU when the model's shapes and KV page dtype fit the kernels (not
-                    fp8 pages, yet), cpu on a CPU when the kernel builds and the engine is float32, else
-                    xla; the reason for falling back is logged.
+  auto              pallas on a Hopper GPU when the model's shapes and KV page dtype fit the kernels
+                    (bfloat16 pages, or fp8 pages upcast in the kernel), cpu on a CPU when the kernel builds
+                    and the engine is float32, else xla; the reason for falling back is logged.
 
 An explicit cpu / pallas / pallas-interpret that cannot run the model is refused here, with the reason,
 before anything is compiled, so no request ever meets an unsupported shape. The model calls
@@ -41,12 +41,13 @@ def _kernel_support_error(model_cfg: ModelConfig, engine_cfg: EngineConfig, inte
     """Why the Pallas kernels cannot run this model and engine setting, or None if they can."""
     from pallas_kernels import UnsupportedShapeError, check_supported
 
-    if jnp.dtype(resolve_kv_cache_dtype(engine_cfg)) == jnp.float8_e4m3fn:
-        return "the Pallas kernels do not read float8 KV pages (kv_cache_dtype fp8) yet; XLA's attention does"
+    # float8 pages are upcast in the kernels to the engine's dtype; other pages are read in the engine's dtype
+    dtype, kv_dtype = jnp.dtype(engine_cfg.dtype), jnp.dtype(resolve_kv_cache_dtype(engine_cfg))
     try:
         check_supported(num_heads=model_cfg.num_heads, num_kv_heads=model_cfg.num_kv_heads,
                         head_dim=model_cfg.head_dim, page_size=engine_cfg.page_size,
-                        dtype=jnp.dtype(engine_cfg.dtype), interpret=interpret)
+                        dtype=kv_dtype if kv_dtype == jnp.float8_e4m3fn else dtype, q_dtype=dtype,
+                        interpret=interpret)
     except UnsupportedShapeError as e:
         return str(e)
     return None
