@@ -57,8 +57,8 @@ class KernelConfig:
 
 
 def smem_bytes(cfg: KernelConfig, head_dim: int, itemsize: int, decode: bool, kv_itemsize: int | None = None) -> int:
-    """The decode kernel's SMEM: Q, then the K/V ring (`kv_itemsize` bytes a value, default `itemsize`), P and,
-    for narrower pages, the one tile they are upcast into."""
+    """The decode kernel's SMEM: Q, the K/V ring (`kv_itemsize` bytes a value), P, and for narrower pages
+    the tile they are upcast into."""
     kv_itemsize = kv_itemsize or itemsize
     q = ROWS * head_dim * itemsize
     kv = 2 * cfg.num_stages * cfg.kv_tile * head_dim * kv_itemsize + ROWS * cfg.kv_tile * itemsize  # K, V, P
@@ -99,8 +99,7 @@ def copies_per_kv_tile(kv_tile: int, page_size: int) -> int:
 
 
 def gpu_itemsize(kv_dtype) -> int:
-    """Bytes a K/V value takes in the tiles' sizing: 1 for float8 pages, else 2 (float32 pages, interpret
-    mode only, run bfloat16's tiles)."""
+    """Bytes a K/V value takes in the tiles' sizing: float8 1, else 2 (float32, interpret only, runs bf16's)."""
     return 1 if jnp.dtype(kv_dtype) == FP8 else 2
 
 
@@ -112,10 +111,8 @@ def operand_dtype(kv_dtype, q_dtype):
 
 def check_supported(*, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype,
                     interpret: bool, q_dtype=jnp.bfloat16) -> None:
-    """Raises UnsupportedShapeError naming the first shape the kernels cannot take.
-
-    dtype: the KV pages'. q_dtype: the queries', which matters only for float8 pages (upcast to it).
-    """
+    """Raises UnsupportedShapeError naming the first shape the kernels cannot take. dtype: the KV pages';
+    q_dtype: the queries', which matters only for float8 pages (upcast to it)."""
     dtype = jnp.dtype(dtype)
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise UnsupportedShapeError(f"{head_dim=} is not supported by the Pallas kernels (one of {SUPPORTED_HEAD_DIMS})")
@@ -199,10 +196,9 @@ def upcast_tile(src, dst) -> None:
 
 
 def kv_operand(ring, slot, upcast):
-    """(ref, index) such that ref.at[index] is the wgmma operand [kv_tile, head_dim] of K or V ring slot
-    `slot`: the slot itself, or where the pages are float8 its bfloat16 copy, made here into
-    upcast = (tiles, index) (else None). One upcast tile serves K, then V: reading QK^T's accumulator
-    waited for the wgmma that read K, and PV's for V."""
+    """(ref, index): ref.at[index] is the wgmma operand [kv_tile, head_dim] of K or V ring slot `slot`, the
+    slot itself or, for float8 pages, its bfloat16 copy made here into upcast = (tiles, index). One upcast
+    tile serves K, then V: reading QK^T's accumulator waited for the wgmma that read K, and PV's for V."""
     if upcast is None:
         return ring, slot
     tiles, index = upcast
