@@ -111,7 +111,7 @@ def check(out, ref, real_tokens, dtype, what):
     assert not np.any(out[real_tokens:]), f"{what}: padding rows must be zeros"
 
 
-def _use_interpreter(dtype, detect_races):
+def use_interpreter(dtype, detect_races):
     """Interpreted on a CPU and for race checks; compiled for the GPU where one is the default backend."""
     if detect_races or not ON_GPU:
         return True
@@ -121,7 +121,7 @@ def _use_interpreter(dtype, detect_races):
 
 
 def run_ragged(head_dim, page_size, group, window, soft_cap, dtype, seed=0, detect_races=False, lengths=None):
-    interpret = _use_interpreter(dtype, detect_races)
+    interpret = use_interpreter(dtype, detect_races)
     q, k, v, md, real_tokens = build_case(lengths or ragged_lengths(page_size), page_size=page_size,
                                           head_dim=head_dim, group=group, dtype=dtype, seed=seed)
     args = (q, k, v, LAYER, md.cu_q_lens, md.kv_lens, md.block_tables)
@@ -133,7 +133,7 @@ def run_ragged(head_dim, page_size, group, window, soft_cap, dtype, seed=0, dete
 
 
 def run_decode(head_dim, page_size, group, window, soft_cap, dtype, num_splits, seed=0, detect_races=False):
-    interpret = _use_interpreter(dtype, detect_races)
+    interpret = use_interpreter(dtype, detect_races)
     lengths = decode_lengths(page_size)
     q, k, v, md, _ = build_case(lengths, page_size=page_size, head_dim=head_dim, group=group, dtype=dtype,
                                 seed=seed, num_tokens=len(lengths) + 1)

@@ -14,7 +14,7 @@ copy the float8 tiles into shared memory and upcast each to the queries' dtype b
   the pages, or read the wrong ones, is far outside it.
 
 Where JAX's default backend is a GPU, the bfloat16-query cases run the compiled kernels instead
-(test_pallas_attention._use_interpreter); the float32-query ones skip there.
+(test_pallas_attention.use_interpreter); the float32-query ones skip there.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import pytest
 import pallas_kernels as pk
 from jaxserve.ops.attention import to_page_dtype
 from pallas_kernels.interpret import races_found
-from test_pallas_attention import LAYER, _use_interpreter, build_case, check, decode_lengths, ragged_lengths
+from test_pallas_attention import LAYER, use_interpreter, build_case, check, decode_lengths, ragged_lengths
 
 FP8 = jnp.float8_e4m3fn
 KERNELS = {"ragged": (pk.ragged_paged_attention, pk.ragged_paged_attention_reference, ragged_lengths),
@@ -79,7 +79,7 @@ def test_the_kernels_read_fp8_pages_like_the_reference(kind, head_dim, page_size
     reference on the same pages, and stays near the kernel on bfloat16 pages of the same values."""
     q, exact, pages, md = fp8_case(kind, head_dim=head_dim, page_size=page_size, group=group, q_dtype=q_dtype)
     kw = dict(scale=head_dim**-0.5, soft_cap=soft_cap, sliding_window=window)
-    interpret = _use_interpreter(q_dtype, detect_races=False)
+    interpret = use_interpreter(q_dtype, detect_races=False)
     out = run(kind, q, pages, md, interpret=interpret, **kw)
     assert out.dtype == q.dtype
     reference = KERNELS[kind][1](q, *pages, LAYER, md.cu_q_lens, md.kv_lens, md.block_tables, **kw)
@@ -110,7 +110,7 @@ def test_every_fp8_code_comes_out_exact_in_its_place(kind):
     for seq in range(4):
         v_bytes[LAYER, table[seq, 0], 0] = np.resize(np.roll(codes, seq * 61), v_bytes.shape[3:])
     pages = (to_page_dtype(k, FP8), jnp.asarray(v_bytes.view(FP8)))
-    out = np.asarray(run(kind, q, pages, md, interpret=_use_interpreter("bfloat16", False), scale=0.1)
+    out = np.asarray(run(kind, q, pages, md, interpret=use_interpreter("bfloat16", False), scale=0.1)
                      .astype(jnp.float32))
     expected = np.stack([np.asarray(pages[1][LAYER, table[seq, 0], 0].astype(jnp.float32)) for seq in range(4)])
     expected = np.repeat(expected, 4, axis=1)  # each KV head's value row serves its group's query heads
