@@ -145,8 +145,9 @@ def resolve_matmul_backend(requested: str, engine_cfg: EngineConfig, platform: s
 
 def paired_attention_backend(attention: str, matmul: str) -> str:
     """The resolved attention backend given the resolved matmul one: "cpu-bf16" (the C++ kernel with the
-    products of its prompt tiles in bfloat16, `cpu_ffi.paged_row_attention`'s bf16_products) where
-    the matmuls are "cpu-bf16" and attention is the C++ kernel, else `attention` unchanged."""
+    products of its prompt tiles, and of decode rows over bfloat16 pages, in bfloat16:
+    `cpu_ffi.paged_row_attention`'s bf16_products) where the matmuls are "cpu-bf16" and attention is the
+    C++ kernel, else `attention` unchanged."""
     return "cpu-bf16" if attention == "cpu" and matmul == "cpu-bf16" else attention
 
 
