@@ -183,21 +183,6 @@ inline uint32_t RoundHigh(float x) {
 inline PairVec Pairs(Vec even, Vec odd) { return (RoundHigh(even) >> 16) | RoundHigh(odd); }
 inline uint32_t Pair(float even, float odd) { return (RoundHigh(even) >> 16) | RoundHigh(odd); }
 
-inline Vec DotPairs(Vec acc, uint32_t pair, PairVec pairs) {
-#ifdef __AVX512BF16__
-  if constexpr (kLanes == 16) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair)), (__m512bh)pairs);
-  }
-#endif
-  const auto widen = [](PairVec bits) {
-    Vec v;
-    std::memcpy(&v, &bits, sizeof(v));
-    return v;
-  };
-  const PairVec broadcast = PairVec{} + pair;
-  return acc + widen(broadcast << 16) * widen(pairs << 16) + widen(broadcast & 0xffff0000u) * widen(pairs & 0xffff0000u);
-}
-
 // acc + both products of each lane's pairs a and b (a row of bfloat16 as it lies in memory is a run of
 // such pairs, which is how a decode row's scores read bfloat16 pages: GroupedScores).
 inline Vec DotPairs(Vec acc, PairVec a, PairVec b) {
@@ -211,6 +196,9 @@ inline Vec DotPairs(Vec acc, PairVec a, PairVec b) {
   };
   return acc + widen(a << 16) * widen(b << 16) + widen(a & 0xffff0000u) * widen(b & 0xffff0000u);
 }
+
+// The same with one pair broadcast to every lane.
+inline Vec DotPairs(Vec acc, uint32_t pair, PairVec pairs) { return DotPairs(acc, PairVec{} + pair, pairs); }
 
 struct Scratch {
   std::vector<float> scores, acc, row_max, row_sum;
@@ -443,7 +431,8 @@ void AttendGrouped(const Problem<Page>& p, const RowKeys<Page>& keys, float* out
   const int64_t count = keys.kv_len - keys.start, padded = (count + kLanes - 1) / kLanes * kLanes;
   auto& scores = scratch.scores;  // [KVH * G, padded]
   scores.resize(kv_heads * G * padded);
-  if (kPairScores<Page> && p.bf16_products) {
+  const bool pairs = kPairScores<Page> && p.bf16_products;
+  if (pairs) {
     GroupedScores<Page, DV, G, kPairScores<Page>>(p, keys, q_rows, padded, scratch);
   } else {
     GroupedScores<Page, DV, G, false>(p, keys, q_rows, padded, scratch);
@@ -472,7 +461,6 @@ void AttendGrouped(const Problem<Page>& p, const RowKeys<Page>& keys, float* out
   }
   auto& acc_rows = scratch.acc;  // [KVH * G, D], summed page by page
   acc_rows.assign(kv_heads * G * D, 0.0f);
-  const bool pairs = kPairScores<Page> && p.bf16_products;
   if (pairs) {
     GroupedValues<Page, DV, G, kPairScores<Page>>(p, keys, padded, scratch);
   } else {
