@@ -1,7 +1,7 @@
 """int8 weights (`quantization="int8"`) in the C++ packed matmul: the kernel is exactly the product of
 the quantized operands (x per row, w per column), its padding rows are zeros, the gated form and the
-embedding lookup agree, activation groups and their column sums hold, and the engine serves with it compiling
-nothing after warm-up. The XLA-side QuantizedWeight has its own tests."""
+embedding lookup agree, the weights are stored offset by 128, activation groups hold, and the engine serves with
+it compiling nothing after warm-up. The XLA-side QuantizedWeight has its own tests."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.ops import cpu_ffi
-from jaxserve.ops.packed_matmul import INT8_GROUP, PANEL_WIDTH, PackedWeight, matmul, silu_gated_matmul
+from jaxserve.ops.packed_matmul import PANEL_WIDTH, PackedWeight, int8_group, matmul, silu_gated_matmul
 from jaxserve.runner.compilation import forbid_compilation
 from server.metrics import Metrics
 
@@ -25,17 +25,19 @@ needs_kernels = pytest.mark.skipif(cpu_ffi.kernel_error() is not None,
 
 
 def unpacked_int8(packed: PackedWeight, k: int) -> np.ndarray:
-    """The integer weights [K, panels * PANEL_WIDTH] a PackedWeight holds, unpacked independently of the kernel."""
+    """The integer weights q [K, panels * PANEL_WIDTH] a PackedWeight holds (as q + 128), unpacked independently
+    of the kernel."""
     panels = packed.data.shape[0]
     quads = np.asarray(packed.data).reshape(panels, k // 4, PANEL_WIDTH, 4).transpose(0, 1, 3, 2)
-    return quads.reshape(panels, k, PANEL_WIDTH).transpose(1, 0, 2).reshape(k, panels * PANEL_WIDTH)
+    offset = quads.reshape(panels, k, PANEL_WIDTH).transpose(1, 0, 2).reshape(k, panels * PANEL_WIDTH)
+    return offset.astype(np.int16) - 128
 
 
 def quantized_product(x: np.ndarray, packed: PackedWeight, n: int) -> np.ndarray:
     """float64 (round(x / sx) * sx) @ (q * scale), x's scales one per group of its row: what W8A8 computes,
     to float32's summation error."""
     m, k = x.shape
-    groups = packed.sums.shape[0]
+    groups = k // int8_group(k)
     xg = x.reshape(m, groups, k // groups)
     absmax = np.abs(xg).max(axis=2, keepdims=True)
     x_scale = np.where(absmax > 0, absmax / np.float32(127), np.float32(1))  # float32, as the kernel rounds
@@ -54,7 +56,7 @@ def test_int8_matmul_is_the_product_of_the_quantized_operands(m, k, n):
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((k, n)).astype(np.float32)
     packed = PackedWeight.pack(w, dtype=np.int8)
-    assert packed.data.dtype == np.int8 and packed.data.shape == (-(-n // PANEL_WIDTH), k // 4, 4 * PANEL_WIDTH)
+    assert packed.data.dtype == np.uint8 and packed.data.shape == (-(-n // PANEL_WIDTH), k // 4, 4 * PANEL_WIDTH)
     out = np.asarray(jax.jit(matmul)(jnp.asarray(x), jax.device_put(packed)))
     expected = quantized_product(x, packed, n)
     np.testing.assert_allclose(out, expected, atol=1e-5 * np.sqrt(k), rtol=1e-5)
@@ -85,7 +87,7 @@ def test_int8_packing_in_jax_and_numpy_agree_and_columns_are_the_dequantized_emb
     w = np.random.default_rng(0).standard_normal((12, 100)).astype(np.float32)
     host = PackedWeight.pack(w, dtype=np.int8)
     traced = jax.jit(lambda a: PackedWeight.pack(a, dtype=np.int8))(jnp.asarray(w))
-    for name in ("data", "scale", "sums"):
+    for name in ("data", "scale"):
         np.testing.assert_array_equal(np.asarray(getattr(traced, name)), getattr(host, name))
     ids = jnp.asarray([0, 47, 48, 99, 5])
     dequantized = unpacked_int8(host, 12) * host.scale
@@ -95,16 +97,17 @@ def test_int8_packing_in_jax_and_numpy_agree_and_columns_are_the_dequantized_emb
     assert not unpacked_int8(host, 12)[:, 100:].any(), "the last panel is padded with zeros"
 
 
-def test_int8_column_sums_are_kept_per_group_and_no_group_straddles_a_split_by_rows():
-    """The offset's correction needs each activation group's column sums; under tensor parallelism a matrix
-    split by rows gives each device a block of K, so its groups must not cross a block's edge."""
+def test_int8_weights_are_stored_offset_by_128_and_groups_divide_a_devices_k():
+    """vpdpbusd multiplies unsigned by signed bytes: the weights are the unsigned side, q + 128 in 1..255 (q
+    within +-127), the activations int8. A group is the largest of the sizes that divides K (under tensor
+    parallelism by rows, a device's block of K), else the whole of K; a block holds whole quads of rows."""
     w = np.random.default_rng(1).standard_normal((256, 50)).astype(np.float32)
     packed = PackedWeight.pack(w, dtype=np.int8)
-    q = unpacked_int8(packed, 256).astype(np.int64)
-    assert packed.sums.shape == (256 // INT8_GROUP, 2 * PANEL_WIDTH)
-    np.testing.assert_array_equal(packed.sums, q.reshape(256 // INT8_GROUP, INT8_GROUP, -1).sum(1))
-    odd = PackedWeight.pack(w[:96], dtype=np.int8, k_shards=2)  # 48 rows a block: one group each
-    np.testing.assert_array_equal(odd.sums, unpacked_int8(odd, 96).astype(np.int64).reshape(2, 48, -1).sum(1))
+    data = np.asarray(packed.data)
+    assert data.dtype == np.uint8 and data.min() >= 1 and (data == 128).any()  # padding columns: q = 0
+    q = unpacked_int8(packed, 256)[:, :50]
+    np.testing.assert_array_equal(q, np.clip(np.round(w / packed.scale[:50]), -127, 127))
+    assert [int8_group(k) for k in (576, 1536, 4096, 288, 200, 12, 30)] == [96, 128, 128, 96, 200, 12, 30]
     with pytest.raises(AssertionError, match="by fours"):
         PackedWeight.pack(w[:12], dtype=np.int8, k_shards=2)
 
@@ -115,12 +118,13 @@ def test_one_outlier_channel_coarsens_only_its_group():
     element of the row to a few levels; with a scale per group only its group pays: the kernel's error is
     a fraction of what one scale a row gives the same weights."""
     rng = np.random.default_rng(3)
-    x = rng.standard_normal((8, 512)).astype(np.float32)
+    assert 1024 // int8_group(1024) == 8  # the outlier's group is an eighth of the row
+    x = rng.standard_normal((8, 1024)).astype(np.float32)
     x[:, 7] = 300.0
-    w = rng.standard_normal((512, 96)).astype(np.float32)
+    w = rng.standard_normal((1024, 96)).astype(np.float32)
     packed = PackedWeight.pack(w, dtype=np.int8)
     out = np.asarray(jax.jit(matmul)(jnp.asarray(x), jax.device_put(packed)))
-    w_int8 = unpacked_int8(packed, 512)[:, :96] * packed.scale[:96]
+    w_int8 = unpacked_int8(packed, 1024)[:, :96] * packed.scale[:96]
     row_scale = np.abs(x).max(axis=1, keepdims=True) / 127
     one_scale_a_row = (np.rint(x / row_scale) * row_scale) @ w_int8
     exact = x.astype(np.float64) @ w_int8  # the weights' own rounding is the same in both
@@ -147,7 +151,7 @@ def test_the_engine_serves_int8_weights_and_compiles_nothing_after_warm_up(tiny_
     leaves = jax.tree.leaves(runner.params, is_leaf=lambda v: isinstance(v, PackedWeight))
     packed = [leaf for leaf in leaves if isinstance(leaf, PackedWeight)]
     assert len(packed) == 4 * runner.model_cfg.num_layers + 1
-    assert all(leaf.data.dtype == jnp.int8 and leaf.scale.dtype == jnp.float32 for leaf in packed)
+    assert all(leaf.data.dtype == jnp.uint8 and leaf.scale.dtype == jnp.float32 for leaf in packed)
     prompts = [{"prompt_token_ids": list(range(1 + i, 9 + 3 * i))} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     with forbid_compilation():

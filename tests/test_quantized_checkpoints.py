@@ -204,7 +204,7 @@ def test_the_quantized_matrices_never_pass_through_float(checkpoints, monkeypatc
                                                      num_kv_pages=24), model.params)
     assert runner.resolved.packed_dtype == "int8"
     layer = runner.params["layers"][0]
-    assert all(isinstance(layer[name], PackedWeight) and layer[name].data.dtype == np.int8
+    assert all(isinstance(layer[name], PackedWeight) and layer[name].data.dtype == np.uint8
                for name in ("w_qkv", "wo", "w_gate_up", "w_down"))
     # the packed integers are the file's own: w_down's first column
     file = hf.SafetensorsFiles(lambda name: path / "model.safetensors")
@@ -320,7 +320,7 @@ def test_a_q8_0_gguf_serves_from_int8_weights(tmp_path):
     runner = _runner(path, quantization="int8", max_model_len=64)
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(load_model(path, "float32").params))
     assert runner.resolved.packed_dtype == "int8"
-    assert all(isinstance(w, PackedWeight) and w.data.dtype == np.int8
+    assert all(isinstance(w, PackedWeight) and w.data.dtype == np.uint8
                for w in [*runner.params["layers"][0].values(), runner.params["lm_head"]] if isinstance(w, PackedWeight))
     assert runner.device_weight_bytes / num_params <= 1.1, runner.device_weight_bytes / num_params
     got, want = _logits(runner), _logits(_runner(path, max_model_len=64))

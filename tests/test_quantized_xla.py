@@ -129,8 +129,8 @@ def test_the_engine_serves_quantized_weights_through_xla(model_path, float_token
 @pytest.mark.parametrize("matmul_backend", ["auto", "xla"])
 def test_tensor_parallel_2_gives_the_one_device_tokens(model_path, matmul_backend):
     """int8 split over 2 forced CPU devices, as the C++ matmul's packed int8 (auto) and as XLA's
-    QuantizedWeight: the scales split with their columns, the row-split matrices' column sums per row
-    block, and the tokens are the one-device engine's."""
+    QuantizedWeight: the scales split with their columns, the row-split matrices' activations quantized in
+    groups of each device's block of K, and the tokens are the one-device engine's."""
     settings = dict(SETTINGS, quantization="int8", matmul_backend=matmul_backend)
     one = LLM(str(model_path), **settings)
     two = LLM(str(model_path), tensor_parallel_size=2, **settings)

@@ -5,7 +5,8 @@ XLA:CPU's dot runs the few-row matmuls of decode steps far below its large-matmu
 packed in column panels the kernel keeps a few rows' accumulators in registers and streams each panel
 once, which is faster there and no slower on prompt-sized matmuls (benchmarks/results/cpu_kernels_history.md).
 Three weight types: float32; bfloat16 (`matmul_backend "cpu-bf16"`: x rounded to bfloat16, float32 sums,
-vdpbf16ps on AVX512-BF16); int8 (`quantization "int8"`: per-column scales, x quantized per row).
+vdpbf16ps on AVX512-BF16); int8 (`quantization "int8"`: per-column scales, x quantized in groups of its
+row's k, vpdpbusd on AVX512-VNNI).
 """
 
 from __future__ import annotations
@@ -21,25 +22,27 @@ from jaxserve.ops.cpu_ffi import PANEL_WIDTH
 from jaxserve.ops.quantized import QuantizedWeight
 
 
-# The int8 kernel quantizes x in groups of this many consecutive k of a row, each with its own scale: one
-# outlier channel then coarsens only its group (the default model's perplexity: +0.6% over float32 weights,
-# against +4.5% with one scale a row). Where a device's K is no multiple of it, a group is the whole block.
-INT8_GROUP = 64
+# The int8 kernel quantizes x in groups of consecutive k of a row, each with its own scale: one outlier
+# channel then coarsens only its group (the default model's perplexity: about +1% over float32 weights,
+# against +4.5% with one scale a row). A group is the first of these sizes that divides a device's K (the
+# whole K where none does); the larger the group, the fewer times the kernel turns its integer sums into
+# float (at 96, about a tenth of its time for 32 rows).
+INT8_GROUPS = (128, 96, 64, 32)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "scale", "sums"], meta_fields=["n"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "scale"], meta_fields=["n"])
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
     """A weight w [K, n] for `matmul`, packed in column panels of PANEL_WIDTH columns, each one contiguous
     run of K rows, zero-padded past n. float32: data [ceil(n / PANEL_WIDTH), K, PANEL_WIDTH]. bfloat16:
     data [panels, K / 2, 2 PANEL_WIDTH], rows 2i and 2i + 1 interleaved column by column, so that each
     32-bit lane holds the pair (w[2i, c], w[2i + 1, c]) the kernel multiplies at once. int8: data
-    [panels, K / 4, 4 PANEL_WIDTH], four rows to a lane the same way, w[k, c] ~= data * scale[c]."""
+    [panels, K / 4, 4 PANEL_WIDTH] uint8, four rows to a lane the same way, each q[k, c] + 128 (offset
+    binary: vpdpbusd's unsigned operand), w[k, c] ~= q[k, c] * scale[c]."""
 
     data: jax.Array
     n: int
     scale: jax.Array | None = None  # int8: [panels * PANEL_WIDTH] float32, each column's scale
-    sums: jax.Array | None = None  # int8: [K / group, panels * PANEL_WIDTH] int32, each group's column sums of data
 
     @classmethod
     def pack(cls, w, num_shards: int = 1, dtype=np.float32, k_shards: int = 1) -> PackedWeight:
@@ -49,8 +52,8 @@ class PackedWeight:
         num_shards: w's columns are cut into that many equal blocks, each packed on its own and the
         panels concatenated, so that splitting `data` by panels gives each device its block's
         PackedWeight (whose n, the one this returns, is a block's width). k_shards (int8): w's rows are
-        split into that many blocks over devices (tensor parallelism by rows): no group of the column
-        sums straddles two blocks."""
+        split into that many blocks over devices (tensor parallelism by rows): each block holds whole
+        quads of rows."""
         xp = np if isinstance(w, np.ndarray) else jnp
         n = w.shape[1] // num_shards
         packed = _panels(w, num_shards, n, 0, xp)
@@ -82,33 +85,31 @@ class PackedWeight:
 
     @classmethod
     def _from_int8(cls, q, scale, n: int, k_shards: int, xp) -> PackedWeight:
-        """From q [panels, K, PANEL_WIDTH] int8 and scale [panels * PANEL_WIDTH]: the quads and group sums."""
+        """From q [panels, K, PANEL_WIDTH] int8 and scale [panels * PANEL_WIDTH]: the quads of q + 128."""
         panels, k, _ = q.shape
         assert k % (4 * k_shards) == 0, f"int8 packing takes rows by fours in each of {k_shards} blocks: K = {k}"
-        group = int8_group(k // k_shards)
-        sums = q.astype(xp.int32).reshape(panels, k // group, group, PANEL_WIDTH).sum(axis=2)  # [panels, groups, PW]
-        sums = sums.transpose(1, 0, 2).reshape(k // group, panels * PANEL_WIDTH)
-        quads = q.reshape(panels, k // 4, 4, PANEL_WIDTH).transpose(0, 1, 3, 2).reshape(panels, k // 4, 4 * PANEL_WIDTH)
-        arrays = (quads, scale, sums)
+        offset = (q.astype(xp.int16) + 128).astype(xp.uint8)
+        quads = offset.reshape(panels, k // 4, 4, PANEL_WIDTH).transpose(0, 1, 3, 2).reshape(panels, k // 4, 4 * PANEL_WIDTH)
         if xp is np:
-            arrays = tuple(np.ascontiguousarray(a) for a in arrays)
-        return cls(arrays[0], n, arrays[1], arrays[2])
+            quads, scale = np.ascontiguousarray(quads), np.ascontiguousarray(scale)
+        return cls(quads, n, scale)
 
     def columns(self, ids):
         """w[:, ids].T, [len(ids), K] float32: an embedding lookup when w is a tied LM head (embed.T)."""
         panels, rows, width = self.data.shape
         if width == PANEL_WIDTH:
             return self.data[ids // PANEL_WIDTH, :, ids % PANEL_WIDTH]
-        if self.data.dtype == jnp.int8:
+        if self.scale is not None:  # int8, as q + 128
             quads = self.data.reshape(panels, rows, PANEL_WIDTH, 4)[ids // PANEL_WIDTH, :, ids % PANEL_WIDTH, :]
-            return quads.reshape(-1, 4 * rows).astype(jnp.float32) * self.scale[ids][:, None]
+            return (quads.reshape(-1, 4 * rows).astype(jnp.float32) - 128) * self.scale[ids][:, None]
         pairs = self.data.reshape(panels, rows, PANEL_WIDTH, 2)[ids // PANEL_WIDTH, :, ids % PANEL_WIDTH, :]
         return pairs.reshape(-1, 2 * rows).astype(jnp.float32)  # [len(ids), K / 2, 2] -> [len(ids), K]
 
 
 def int8_group(k: int) -> int:
-    """The int8 kernel's activation group over a device's k rows: INT8_GROUP where it divides k, else all of k."""
-    return INT8_GROUP if k % INT8_GROUP == 0 else k
+    """The int8 kernel's activation group over a device's k rows: the first of INT8_GROUPS that divides k,
+    else all of k."""
+    return next((group for group in INT8_GROUPS if k % group == 0), k)
 
 
 def _panels(a, num_shards: int, n: int, pad_value, xp):
@@ -127,11 +128,14 @@ def _rows_operand(x, rows):
 
 def _packed_call(target: str, x, w: PackedWeight, columns: int, rows, *extra):
     """The kernel `target` (its _bf16 twin for bfloat16 weights, x rounded to bfloat16; its _int8 twin for
-    int8 weights, x quantized in the kernel) -> [M, columns]; `extra` operands follow rows."""
+    int8 weights, x quantized in the kernel in groups of int8_group(K)) -> [M, columns]; `extra` operands
+    follow rows."""
     assert x.dtype == jnp.float32, "the CPU matmul kernel takes float32 activations"
     out = jax.ShapeDtypeStruct((x.shape[0], columns), jnp.float32)
-    if w.data.dtype == jnp.int8:
-        return jax.ffi.ffi_call(f"{target}_int8", out)(x, w.data, w.scale, w.sums, _rows_operand(x, rows), *extra)
+    if w.scale is not None:
+        assert w.data.dtype == jnp.uint8, w.data.dtype
+        group = np.int64(int8_group(x.shape[1]))
+        return jax.ffi.ffi_call(f"{target}_int8", out)(x, w.data, w.scale, _rows_operand(x, rows), *extra, group=group)
     if w.data.dtype == jnp.bfloat16:
         target, x = f"{target}_bf16", x.astype(jnp.bfloat16)
     else:
@@ -158,7 +162,7 @@ def silu_gated_matmul(x, w, rows=None, add=None):
     if isinstance(w, PackedWeight) and w.n % (2 * PANEL_WIDTH) == 0:
         if add is None:
             return _packed_call("jaxserve_packed_gated_matmul", x, w, w.n // 2, rows)
-        if w.data.dtype != jnp.int8:
+        if w.scale is None:
             return _packed_call("jaxserve_packed_gated_matmul_add", x, w, w.n // 2, rows, add.astype(jnp.float32))
     gate_up = matmul(x, w, rows)
     if add is not None:

@@ -41,10 +41,8 @@ VOCAB_SPEC = P(None, MODEL_AXIS)  # logits [S, V]: by vocabulary
 # [panels, K, PANEL_WIDTH]: split by panels where the matrix is split by columns, by K where by rows.
 _FUSED_FROM = {"w_qkv": "wq", "b_qkv": "bq", "w_gate_up": "w_gate"}
 _PACKED_SPECS = {P(None, MODEL_AXIS): P(MODEL_AXIS, None, None), P(MODEL_AXIS, None): P(None, MODEL_AXIS, None)}
-# An int8 packed matrix's column scales [panels * PANEL_WIDTH] go with its columns; its group column sums
-# [K / group, panels * PANEL_WIDTH] with its columns, or by groups of rows where it is split by rows.
+# An int8 packed matrix's column scales [panels * PANEL_WIDTH] go with its columns.
 _PACKED_SCALE_SPECS = {P(None, MODEL_AXIS): P(MODEL_AXIS), P(MODEL_AXIS, None): P(None)}
-_PACKED_SUMS_SPECS = {P(None, MODEL_AXIS): P(None, MODEL_AXIS), P(MODEL_AXIS, None): P(MODEL_AXIS, None)}
 
 
 def serving_specs(cfg: ModelConfig, serving: dict) -> dict:
@@ -54,8 +52,7 @@ def serving_specs(cfg: ModelConfig, serving: dict) -> dict:
     def leaf_spec(spec, value):
         if isinstance(value, PackedWeight):
             quantized = value.scale is not None
-            return PackedWeight(_PACKED_SPECS[spec], value.n, _PACKED_SCALE_SPECS[spec] if quantized else None,
-                                _PACKED_SUMS_SPECS[spec] if quantized else None)
+            return PackedWeight(_PACKED_SPECS[spec], value.n, _PACKED_SCALE_SPECS[spec] if quantized else None)
         if isinstance(value, QuantizedWeight):  # a scale per output column: split with the columns
             return QuantizedWeight(spec, P(spec[-1]))
         return spec

@@ -32,16 +32,18 @@
 // and half its weight bytes. Without that instruction the pairs are widened to float32 and
 // multiplied as such (the same products; only the summation order may differ).
 //
-// And int8 (`S8Quads`, W8A8): w stored as [panels, K / 4, kPanelWidth] 32-bit lanes of four int8 k
-// with a float32 scale per column (w[k, c] ~= q[k, c] * w_scale[c]); x quantized here in groups of G
-// consecutive k of a row (each group's largest |x| -> 127: one outlier channel coarsens only its group,
-// where a scale per row cost this model's perplexity 4.5% against 0.6%) and offset by 128 into uint8,
-// because the instruction (vpdpbusd, AVX512-VNNI) multiplies unsigned by signed bytes: four products of
-// 16 columns per instruction into int32, twice bfloat16's rate and half its weight bytes. A group's
-// integer sums become float once: acc += (isum - 128 w_sum[g, c]) * x_scale[r, g], the offset taken off
-// with the group's column sums the packing stored; y = acc * w_scale[c]. Two accumulators a row (int and
-// float) leave registers for 4 rows a tile, not 8. Without VNNI the bytes are widened to int32 and
-// multiplied as such (the same integers).
+// And int8 (`U8Quads`, W8A8): w stored as [panels, K / 4, kPanelWidth] 32-bit lanes of four k, each
+// byte q[k, c] + 128 (offset binary, 1..255), with a float32 scale per column (w[k, c] ~= q[k, c] *
+// w_scale[c]); x quantized here to int8 in groups of G consecutive k of a row (each group's largest |x|
+// -> 127: one outlier channel coarsens only its group, where a scale per row cost this model's
+// perplexity 4.5% against about 1%). The instruction (vpdpbusd, AVX512-VNNI) multiplies unsigned by
+// signed bytes: four products of 16 columns per instruction into int32, twice bfloat16's rate and half
+// its weight bytes; the weights are the unsigned side, so the offset's share of a group's sums,
+// 128 sum(xq[r, g]), is the same in every column. A group's integer sums become float once, acc +=
+// isum * x_scale[r, g], and the offsets of all groups come off at the end as one number per row:
+// y = (acc - x_offset[r]) * w_scale[c], x_offset[r] = 128 sum_g x_scale[r, g] sum(xq[r, g]) (computed
+// where x is quantized). The group's int sums stay in registers; its float sums are spilled between
+// groups. Without VNNI the bytes are widened to int32 and multiplied as such (the same integers).
 
 #include <algorithm>
 #include <cstdint>
@@ -70,7 +72,7 @@ using jaxserve::Store;
 using jaxserve::Vec;
 
 constexpr int kFloatRows = kLanes == 16 ? 8 : 4;  // 8 x 3 accumulator vectors and 3 weight vectors of 32
-constexpr int kInt8Rows = kFloatRows / 2;  // 4 x 3 int and 4 x 3 float accumulators
+constexpr int kInt8Rows = kFloatRows;  // 8 x 3 int sums in registers, the float sums beside them in L1
 constexpr int kPanelWidth = 48;  // columns per packed panel; the Python side packs with the same number
 constexpr int kVectors = kPanelWidth / kLanes;
 static_assert(kPanelWidth % kLanes == 0, "a panel is a whole number of vectors");
@@ -118,8 +120,8 @@ struct Bf16Pairs {
   }
 };
 
-struct S8Quads {
-  using Elem = uint32_t;  // four bytes of k = 4i .. 4i + 3, lowest first: x's uint8, w's int8
+struct U8Quads {
+  using Elem = uint32_t;  // four bytes of k = 4i .. 4i + 3, lowest first: x's int8, w's uint8
   typedef uint32_t WVec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
   static constexpr int kSteps = 4;
   static constexpr int kRows = kInt8Rows;
@@ -127,14 +129,13 @@ struct S8Quads {
   static void MulAdd(IntVec& acc, Elem x, WVec w) {
 #if defined(__AVX512VNNI__)
     if constexpr (kLanes == 16) {
-      acc = (IntVec)_mm512_dpbusd_epi32((__m512i)acc, _mm512_set1_epi32(static_cast<int32_t>(x)), (__m512i)w);
+      acc = (IntVec)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi32(static_cast<int32_t>(x)));
       return;
     }
 #endif
-    const IntVec signed_w = (IntVec)w;
     for (int b = 0; b < 4; ++b) {
-      const int32_t xb = static_cast<int32_t>((x >> (8 * b)) & 0xffu);
-      acc += xb * ((signed_w << (24 - 8 * b)) >> 24);  // byte b of each lane, sign-extended
+      const int32_t xb = static_cast<int8_t>((x >> (8 * b)) & 0xffu);  // byte b, sign-extended
+      acc += xb * (IntVec)((w >> (8 * b)) & 0xffu);  // byte b of each lane, unsigned
     }
   }
 };
@@ -146,19 +147,20 @@ struct Problem {
   const Elem* w;  // [panels, steps, kPanelWidth]
   float* y;       // [M, N], or [M, N / 2] when gated
   int64_t m, steps, n, panels;  // m: the rows multiplied, at most M; steps: K / T::kSteps
-  // int8 only: groups of group_steps steps; x_scale [m, groups]; w_scale [panels * kPanelWidth]; w_sum
-  // [groups, panels * kPanelWidth], each group's column sums of q
+  // int8 only: groups of group_steps steps; x_scale [m, groups]; x_offset [m], the weights' offset in
+  // each row's sums; w_scale [panels * kPanelWidth]
   int64_t groups = 1, group_steps = 0;
   const float* x_scale = nullptr;
+  const float* x_offset = nullptr;
   const float* w_scale = nullptr;
-  const int32_t* w_sum = nullptr;
   // gated only, or null: [m, n] float32 added to x @ [w_gate | w_up] before the activation (LoRA's deltas)
   const float* add = nullptr;
 
   const Elem* panel(int64_t b) const { return b < 0 ? nullptr : w + b * steps * kPanelWidth; }
-  // The output of a tile's accumulator for `column`'s vector: int8 sums still want the column scale.
-  Vec out(const Vec& acc, int64_t column) const {
-    if constexpr (std::is_same_v<T, S8Quads>) return acc * Load(w_scale + column);
+  // The output of a tile's accumulator for `row` and `column`'s vector: int8 sums still want the offset
+  // taken off and the column scale.
+  Vec out(const Vec& acc, int64_t row, int64_t column) const {
+    if constexpr (std::is_same_v<T, U8Quads>) return (acc - x_offset[row]) * Load(w_scale + column);
     return acc;
   }
 };
@@ -192,20 +194,15 @@ __attribute__((always_inline)) inline void Accumulate(const Problem<T>& p, int64
                                                       Vec (&acc)[R][kVectors], const typename T::Elem* prefetch) {
   const typename T::Elem* x_rows = p.x + row * p.steps;
   const typename T::Elem* w_panel = p.panel(panel);
-  if constexpr (!std::is_same_v<T, S8Quads>) {
+  if constexpr (!std::is_same_v<T, U8Quads>) {
     AccumulateSteps<T, R>(p, x_rows, w_panel, acc, prefetch, 0, p.steps);
   } else {
-    const int64_t stride = p.panels * kPanelWidth;
     for (int64_t g = 0; g < p.groups; ++g) {
       IntVec sums[R][kVectors] = {};
       AccumulateSteps<T, R>(p, x_rows, w_panel, sums, prefetch, g * p.group_steps, (g + 1) * p.group_steps);
-      for (int j = 0; j < kVectors; ++j) {
-        // no alignment needed: see Load
-        const IntVec offset = 128 * *reinterpret_cast<const IntVec*>(p.w_sum + g * stride + panel * kPanelWidth
-                                                                      + j * kLanes);
-        for (int r = 0; r < R; ++r) {
-          acc[r][j] += __builtin_convertvector(sums[r][j] - offset, Vec) * p.x_scale[(row + r) * p.groups + g];
-        }
+      for (int r = 0; r < R; ++r) {
+        const float x_scale = p.x_scale[(row + r) * p.groups + g];
+        for (int j = 0; j < kVectors; ++j) acc[r][j] += __builtin_convertvector(sums[r][j], Vec) * x_scale;
       }
     }
   }
@@ -219,7 +216,7 @@ void Tile(const Problem<T>& p, int64_t row, int64_t panel, int64_t columns, cons
   for (int r = 0; r < R; ++r) {
     float* out = p.y + (row + r) * p.n + panel * kPanelWidth;
     Vec values[kVectors];
-    for (int j = 0; j < kVectors; ++j) values[j] = p.out(acc[r][j], panel * kPanelWidth + j * kLanes);
+    for (int j = 0; j < kVectors; ++j) values[j] = p.out(acc[r][j], row + r, panel * kPanelWidth + j * kLanes);
     if (columns == kPanelWidth) {
       for (int j = 0; j < kVectors; ++j) Store(out + j * kLanes, values[j]);
     } else {
@@ -240,8 +237,8 @@ void GatedTile(const Problem<T>& p, int64_t row, int64_t panel, int64_t prefetch
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kVectors; ++j) {
       const int64_t column = panel * kPanelWidth + j * kLanes;
-      Vec gate = p.out(gate_acc[r][j], column);
-      Vec up_value = p.out(up_acc[r][j], column + p.panels / 2 * kPanelWidth);
+      Vec gate = p.out(gate_acc[r][j], row + r, column);
+      Vec up_value = p.out(up_acc[r][j], row + r, column + p.panels / 2 * kPanelWidth);
       if (p.add != nullptr) {
         const float* add_row = p.add + (row + r) * p.n + column;
         gate += Load(add_row);
@@ -279,11 +276,11 @@ void GatedPanel(const Problem<T>& p, int64_t panel, int64_t next, std::integer_s
   }
 }
 
-// XLA's buffer types for each weight type's x and w: float32, bfloat16, or float32 x and int8 w.
+// XLA's buffer types for each weight type's x and w: float32, bfloat16, or float32 x and uint8 w.
 template <typename T>
 constexpr ffi::DataType kXType = std::is_same_v<T, Bf16Pairs> ? ffi::BF16 : ffi::F32;
 template <typename T>
-constexpr ffi::DataType kWType = std::is_same_v<T, F32> ? ffi::F32 : std::is_same_v<T, Bf16Pairs> ? ffi::BF16 : ffi::S8;
+constexpr ffi::DataType kWType = std::is_same_v<T, F32> ? ffi::F32 : std::is_same_v<T, Bf16Pairs> ? ffi::BF16 : ffi::U8;
 
 template <typename T, bool kGated>
 std::string KernelName() {
@@ -363,7 +360,7 @@ ffi::Error GatedMatmulAdd(ffi::ThreadPool pool, ffi::Buffer<kXType<T>> x, ffi::B
   return RunMatmul<T, true>(pool, x, w, rows, add.typed_data(), y);
 }
 
-typedef uint8_t ByteVec __attribute__((vector_size(kLanes)));
+typedef int8_t ByteVec __attribute__((vector_size(kLanes)));
 
 // v rounded to the nearest integer, ties to even (as lrintf in the default rounding mode), lane by lane.
 // (GCC 12's own header trips -Wmaybe-uninitialized inside _mm512_cvtps_epi32: not ours to fix.)
@@ -379,13 +376,15 @@ inline IntVec RoundToInt(Vec v) {
 }
 #pragma GCC diagnostic pop
 
-// x's rows [m, k] in groups of k / groups: uint8 with the offset of 128 (as 32-bit quads) and each
-// group's scale [m, groups] (its largest |x| -> 127). The rows are spread over the pool's threads when
-// there are enough of them to pay for it (a prompt step's).
-void QuantizeRows(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t k, int64_t groups, uint8_t* bytes,
-                  float* x_scale) {
+// x's rows [m, k] in groups of k / groups: int8 (as 32-bit quads), each group's scale [m, groups] (its
+// largest |x| -> 127), and each row's x_offset [m]: 128 sum_g x_scale[g] sum(xq in g), what the weights'
+// offset of 128 adds to the row's products. The rows are spread over the pool's threads when there are
+// enough of them to pay for it (a prompt step's).
+void QuantizeRows(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t k, int64_t groups, int8_t* bytes,
+                  float* x_scale, float* x_offset) {
   const int64_t size = k / groups;
   auto quantize = [=](int64_t r) {
+    float offset = 0.0f;
     for (int64_t g = 0; g < groups; ++g) {
       const float* in = x + r * k + g * size;
       const int64_t whole = size - size % kLanes;  // whole vectors, then the rest one by one
@@ -401,14 +400,23 @@ void QuantizeRows(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t k, i
       const float scale = largest > 0.0f ? largest / 127.0f : 1.0f;
       x_scale[r * groups + g] = scale;
       const float inverse = 1.0f / scale;
-      uint8_t* out = bytes + r * k + g * size;
+      int8_t* out = bytes + r * k + g * size;
+      IntVec sum_lanes = {};
       for (int64_t i = 0; i < whole; i += kLanes) {
-        const IntVec q = RoundToInt(Load(in + i) * inverse) + 128;
+        const IntVec q = RoundToInt(Load(in + i) * inverse);
+        sum_lanes += q;
         const ByteVec packed = __builtin_convertvector(q, ByteVec);
         std::memcpy(out + i, &packed, sizeof(packed));
       }
-      for (int64_t i = whole; i < size; ++i) out[i] = static_cast<uint8_t>(std::lrintf(in[i] * inverse) + 128);
+      int64_t sum = 0;
+      for (int lane = 0; lane < kLanes; ++lane) sum += sum_lanes[lane];
+      for (int64_t i = whole; i < size; ++i) {
+        out[i] = static_cast<int8_t>(std::lrintf(in[i] * inverse));
+        sum += out[i];
+      }
+      offset += 128.0f * scale * static_cast<float>(sum);
     }
+    x_offset[r] = offset;
   };
   constexpr int64_t kRowsPerItem = 16;
   if (m <= kRowsPerItem) {
@@ -422,34 +430,35 @@ void QuantizeRows(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t k, i
   });
 }
 
-// The same for int8 weights with their column scales [panels * kPanelWidth] and each group's column sums
-// [groups, panels * kPanelWidth] (this device's rows' groups under tensor parallelism by rows; the group
-// size, k / groups, a multiple of 4): x [M, K] float32 is quantized here, group by group.
+// The same for int8 weights, as uint8 q + 128, with their column scales [panels * kPanelWidth]: x [M, K]
+// float32 is quantized here in groups of `group` consecutive k (a multiple of 4 that divides K).
 template <bool kGated>
-ffi::Error MatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
-                      ffi::Buffer<ffi::F32> w_scale, ffi::Buffer<ffi::S32> w_sum, ffi::Buffer<ffi::S32> rows,
-                      ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error MatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                      ffi::Buffer<ffi::F32> w_scale, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y,
+                      int64_t group) {
   const int64_t columns = w.dimensions().size() == 3 ? w.dimensions()[0] * kPanelWidth : -1;
   const int64_t k = x.dimensions().size() == 2 ? x.dimensions()[1] : -1;
-  const auto sum_dims = w_sum.dimensions();
-  const int64_t groups = sum_dims.size() == 2 ? sum_dims[0] : -1;
-  if (!ShapesMatch<S8Quads, kGated>(x.dimensions(), w.dimensions(), y->dimensions()) || rows.element_count() != 1
-      || static_cast<int64_t>(w_scale.element_count()) != columns || groups < 1 || sum_dims[1] != columns
-      || k % groups != 0 || (k / groups) % 4 != 0) {
-    return ffi::Error::InvalidArgument(KernelName<S8Quads, kGated>() + ": operand shapes do not match");
+  if (!ShapesMatch<U8Quads, kGated>(x.dimensions(), w.dimensions(), y->dimensions()) || rows.element_count() != 1
+      || static_cast<int64_t>(w_scale.element_count()) != columns) {
+    return ffi::Error::InvalidArgument(KernelName<U8Quads, kGated>() + ": operand shapes do not match");
   }
-  const int64_t m = ZeroPadding(rows, y);
+  if (group < 4 || group % 4 != 0 || k % group != 0) {
+    return ffi::Error::InvalidArgument(KernelName<U8Quads, kGated>() + ": the activation group " + std::to_string(group)
+                                       + " is no multiple of 4 that divides K = " + std::to_string(k));
+  }
+  const int64_t m = ZeroPadding(rows, y), groups = k / group;
   std::unique_ptr<uint32_t[]> quads(new uint32_t[m * k / 4]);
-  std::unique_ptr<float[]> x_scale(new float[m * groups]);
-  QuantizeRows(pool, x.typed_data(), m, k, groups, reinterpret_cast<uint8_t*>(quads.get()), x_scale.get());
-  Problem<S8Quads> problem{quads.get(), reinterpret_cast<const uint32_t*>(w.untyped_data()), y->typed_data(), m,
+  std::unique_ptr<float[]> x_scale(new float[m * groups]), x_offset(new float[m]);
+  QuantizeRows(pool, x.typed_data(), m, k, groups, reinterpret_cast<int8_t*>(quads.get()), x_scale.get(),
+               x_offset.get());
+  Problem<U8Quads> problem{quads.get(), reinterpret_cast<const uint32_t*>(w.untyped_data()), y->typed_data(), m,
                            k / 4, y->dimensions()[1] * (kGated ? 2 : 1), w.dimensions()[0]};
   problem.groups = groups;
   problem.group_steps = k / groups / 4;
   problem.x_scale = x_scale.get();
+  problem.x_offset = x_offset.get();
   problem.w_scale = w_scale.typed_data();
-  problem.w_sum = w_sum.typed_data();
-  Run<S8Quads, kGated>(pool, problem);
+  Run<U8Quads, kGated>(pool, problem);
   return ffi::Error::Success();
 }
 
@@ -459,7 +468,7 @@ extern "C" int JaxservePackedMatmulPanelWidth() { return kPanelWidth; }
 
 namespace {
 
-// The handlers' signatures: (x, packed w, rows) -> y, and (x, w, w_scale, w_sum, rows) -> y for int8, on
+// The handlers' signatures: (x, packed w, rows) -> y, and (x, w, w_scale, rows; group) -> y for int8, on
 // XLA's intra-op thread pool.
 template <typename T>
 auto MatmulBinding() {
@@ -469,9 +478,9 @@ auto MatmulBinding() {
 }
 
 auto MatmulInt8Binding() {
-  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::S8>>()
-      .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
-      .Ret<ffi::Buffer<ffi::F32>>();
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::U8>>()
+      .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>()
+      .Attr<int64_t>("group");
 }
 
 template <typename T>
