@@ -64,8 +64,9 @@ DTYPES = ("auto", "float32", "bfloat16")
 # fp8_e4m3 its alias) resolves to JAX's float8_e4m3fn, the name the resolved config holds: a quarter of
 # float32's bytes, scale 1.0, every reader widens the pages in its kernel.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8", "fp8_e4m3", "float8_e4m3fn")
-# vLLM's names. int8: int8 weights with per-channel scales, activations quantized per token (W8A8); fp8: the
-# same in float8 e4m3. Unset: the checkpoint's own (a quantization_config), else none.
+# vLLM's names. int8: int8 weights with per-channel scales, activations quantized per token as each matmul
+# runs (W8A8; in the C++ CPU matmul, per group of a token's values); fp8: the same in float8 e4m3. Unset: the
+# checkpoint's own (a quantization_config), else none.
 QUANTIZATIONS = ("int8", "fp8")
 # vLLM's: fcfs orders by arrival alone; priority lets a request's `priority` (lower first) order admission and
 # choose preemption victims, so off by default: any client could otherwise jump the queue.
