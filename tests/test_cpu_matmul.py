@@ -126,13 +126,41 @@ def _bf16_rounded(a: np.ndarray) -> np.ndarray:
     return a.astype(jnp.bfloat16).astype(np.float64)
 
 
+@pytest.fixture(params=["amx", "vector"])
+def bf16_path(request):
+    """The bfloat16 matmul on AMX tiles (blocks of 16 rows, on a CPU with AMX-BF16; skipped elsewhere) and
+    on the vector code alone."""
+    if request.param == "amx" and not cpu_ffi.amx_in_use():
+        pytest.skip("the kernels do not use AMX tiles here (no AMX-BF16, or the OS refused the tile state)")
+    cpu_ffi.set_amx(request.param == "amx")
+    yield request.param
+    cpu_ffi.set_amx(True)
+
+
+def test_amx_is_used_where_the_cpu_has_it():
+    """On a Linux CPU with AMX-BF16 (its cpuinfo flag, and the compiler's macro for it) the bfloat16 matmul
+    takes the tile unit: a kernel quietly built without it would run at a fifth of the rate."""
+    if cpu_ffi.kernel_error() is not None:
+        pytest.skip(f"the CPU kernels are unavailable: {cpu_ffi.kernel_error()}")
+    if "amx_bf16" not in cpu_ffi.cpu_features().split() or "__AMX_BF16__" not in cpu_ffi.native_target(
+            os.environ.get("CXX", "c++")):
+        pytest.skip("no AMX-BF16 on this CPU")
+    assert cpu_ffi.amx_in_use()
+    cpu_ffi.set_amx(False)
+    try:
+        assert not cpu_ffi.amx_in_use()
+    finally:
+        cpu_ffi.set_amx(True)
+
+
 @needs_kernels
 @pytest.mark.parametrize("k, n", [(2, 1), (34, 47), (64, 320), (576, 960)])
-@pytest.mark.parametrize("m", [1, 9, 17])
-def test_bfloat16_packed_matmul_is_the_product_of_the_rounded_operands(m, k, n):
+@pytest.mark.parametrize("m", [1, 9, 16, 17, 33])
+def test_bfloat16_packed_matmul_is_the_product_of_the_rounded_operands(m, k, n, bf16_path):
     """Packed in bfloat16, the kernel multiplies x and w rounded to bfloat16 (exact products) and sums in
     float32: it matches the float64 product of the rounded operands to float32's summation error, far
-    closer than to the unrounded product, whatever the CPU's instructions (vdpbf16ps or widening)."""
+    closer than to the unrounded product, whatever the CPU's instructions (AMX tiles for whole blocks of
+    16 rows where K is a multiple of 32, vdpbf16ps or widening for the rest)."""
     rng = np.random.default_rng(m * 1000 + n)
     x = rng.standard_normal((m, k), np.float32)
     w = rng.standard_normal((k, n), np.float32)
@@ -146,11 +174,12 @@ def test_bfloat16_packed_matmul_is_the_product_of_the_rounded_operands(m, k, n):
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [0, 5, 9, 24])
-def test_bfloat16_gated_matmul_and_row_cut(rows):
-    """silu(x @ w_gate) * (x @ w_up) from bfloat16-packed [w_gate | w_up], only the first `rows` rows."""
+@pytest.mark.parametrize("rows", [0, 5, 9, 24, 33, 40])
+def test_bfloat16_gated_matmul_and_row_cut(rows, bf16_path):
+    """silu(x @ w_gate) * (x @ w_up) from bfloat16-packed [w_gate | w_up], only the first `rows` rows
+    (on AMX: none, a whole 16-row block, blocks and a rest)."""
     rng = np.random.default_rng(rows)
-    x = rng.standard_normal((24, 576), np.float32)
+    x = rng.standard_normal((40, 576), np.float32)
     w = rng.standard_normal((576, 4 * PANEL_WIDTH), np.float32) / 24
     gate, up = np.split(_bf16_rounded(x) @ _bf16_rounded(w), 2, axis=-1)
     expected = gate / (1.0 + np.exp(-gate)) * up

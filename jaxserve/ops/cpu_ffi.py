@@ -82,6 +82,7 @@ _PAGE_SUFFIX = {jnp.dtype(jnp.float32): "", jnp.dtype(jnp.bfloat16): "_bf16_page
                 jnp.dtype(jnp.float8_e4m3fn): "_fp8_pages"}
 PANEL_WIDTH = 48  # columns per packed panel: kPanelWidth in packed_matmul.cc, which checks it
 _registered = False  # XLA keeps the first handler registered under a target for the process
+_library: ctypes.CDLL | None = None  # the loaded kernels, once registered
 _register_lock = threading.Lock()
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17", "-Wall")
@@ -259,7 +260,7 @@ def _build_and_register() -> str | None:
         error = build_library(compiler, SOURCES, library)
         if error is not None:
             return error
-    global _registered
+    global _registered, _library
     if not _registered:
         try:
             lib = ctypes.cdll.LoadLibrary(str(library))
@@ -271,8 +272,23 @@ def _build_and_register() -> str | None:
             return f"the CPU matmul kernel packs {panel_width} columns per panel, cpu_ffi.py {PANEL_WIDTH}"
         for target, handler in handlers.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+        _library = lib
         _registered = True
     return None
+
+
+def amx_in_use() -> bool:
+    """Whether the bfloat16 matmul multiplies blocks of 16 rows or more on AMX tiles: kernels built for a CPU
+    with AMX-BF16 (Intel Xeon since Sapphire Rapids), Linux granting the tile state, and not turned off by
+    `set_amx(False)`. False where the kernels are not built."""
+    return kernel_error() is None and _library is not None and bool(_library.JaxserveAmxInUse())
+
+
+def set_amx(enabled: bool) -> None:
+    """Lets (or stops) the bfloat16 matmul use AMX tiles, process-wide, from the next call on: the vector
+    path then does every row (the tests compare the two). No effect where the kernels are not built."""
+    if kernel_error() is None and _library is not None:
+        _library.JaxserveSetAmx(int(bool(enabled)))
 
 
 def paged_row_attention(q, k_pages, v_pages, layer, kv_lens, row_seqs, block_tables, *, scale: float,

@@ -44,6 +44,16 @@
 // y = (acc - x_offset[r]) * w_scale[c], x_offset[r] = 128 sum_g x_scale[r, g] sum(xq[r, g]) (computed
 // where x is quantized). The group's int sums stay in registers; its float sums are spilled between
 // groups. Without VNNI the bytes are widened to int32 and multiplied as such (the same integers).
+//
+// On a CPU with AMX-BF16 (Intel Xeon since Sapphire Rapids), bfloat16 weights take the tile unit for
+// every whole block of 16 rows (`AmxBlock`): the packed panel already is AMX's B-operand layout (a
+// 32-bit lane per column holding two consecutive k, 16 columns = one 64-byte tile row), and x [M, K]
+// bfloat16 is its A operand as it lies. One block of 16 rows x 48 columns is three 16 x 16 float32
+// accumulator tiles; per 32 k, one x tile and three weight tiles are loaded and three tdpbf16ps
+// issued, each 16 x 16 x 32 multiply-adds. The rows past the last whole block, and every call with
+// fewer than 16 rows (decode at small batch, bound by the weights' bytes, not by the multiply rate),
+// take the vector code above. The process asks Linux for the tile state once (arch_prctl); where it
+// is refused, or JaxserveSetAmx(0) turned it off (tests compare both paths), the vector code does all.
 
 #include <algorithm>
 #include <cstdint>
@@ -60,6 +70,15 @@
 #include "parallel_for.h"
 #include "vec_math.h"
 #include "xla/ffi/api/ffi.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define JAXSERVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define JAXSERVE_AMX 0
+#endif
+#include <atomic>
 
 namespace ffi = xla::ffi;
 
@@ -225,6 +244,18 @@ void Tile(const Problem<T>& p, int64_t row, int64_t panel, int64_t columns, cons
   }
 }
 
+// The gated output for row `row` + r and vector j of gate panel `panel`: silu(gate + add) * (up + add).
+template <typename T>
+inline void StoreGated(const Problem<T>& p, int64_t row, int64_t panel, int r, int j, Vec gate, Vec up_value) {
+  const int64_t column = panel * kPanelWidth + j * kLanes;
+  if (p.add != nullptr) {
+    const float* add_row = p.add + (row + r) * p.n + column;
+    gate += Load(add_row);
+    up_value += Load(add_row + p.n / 2);
+  }
+  Store(p.y + (row + r) * (p.n / 2) + column, jaxserve::Silu(gate) * up_value);
+}
+
 // silu(gate) * up for R rows and gate panel `panel` (whole panels only); gate panel `prefetch` and
 // its up panel are prefetched meanwhile (-1: none).
 template <typename T, int R>
@@ -233,19 +264,116 @@ void GatedTile(const Problem<T>& p, int64_t row, int64_t panel, int64_t prefetch
   Vec gate_acc[R][kVectors] = {}, up_acc[R][kVectors] = {};
   Accumulate<T, R>(p, row, panel, gate_acc, p.panel(prefetch));
   Accumulate<T, R>(p, row, up(panel), up_acc, p.panel(up(prefetch)));
-  float* y_rows = p.y + row * (p.n / 2) + panel * kPanelWidth;
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kVectors; ++j) {
       const int64_t column = panel * kPanelWidth + j * kLanes;
-      Vec gate = p.out(gate_acc[r][j], row + r, column);
-      Vec up_value = p.out(up_acc[r][j], row + r, column + p.panels / 2 * kPanelWidth);
-      if (p.add != nullptr) {
-        const float* add_row = p.add + (row + r) * p.n + column;
-        gate += Load(add_row);
-        up_value += Load(add_row + p.n / 2);
-      }
-      Store(y_rows + r * (p.n / 2) + j * kLanes, jaxserve::Silu(gate) * up_value);
+      StoreGated(p, row, panel, r, j, p.out(gate_acc[r][j], row + r, column),
+                 p.out(up_acc[r][j], row + r, column + p.panels / 2 * kPanelWidth));
     }
+}
+
+
+std::atomic<int> amx_wanted{1};  // JaxserveSetAmx
+
+#if JAXSERVE_AMX
+constexpr int kAmxRows = 16;  // rows of x per tile; a tile row is 64 bytes: 16 columns of 32-bit lanes
+static_assert(kPanelWidth == 3 * 16, "a panel is three AMX weight tiles wide");
+
+// Linux hands out the 8 KiB of tile registers only to a process that asks (once, for all its threads).
+bool AmxPermitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                        18 /* XFEATURE_XTILEDATA */) == 0;
+  return permitted;
+}
+
+// Every tile 16 rows of 64 bytes: accumulators 0-2, x in 3, the panel's three column tiles in 4-6.
+void ConfigureTiles() {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = kAmxRows;
+  }
+  _tile_loadconfig(&config);
+}
+
+bool UseAmx(const Problem<Bf16Pairs>& p) {
+  return p.m >= kAmxRows && p.steps % kAmxRows == 0 && amx_wanted.load(std::memory_order_relaxed) && AmxPermitted();
+}
+
+// c[16, kPanelWidth] (row stride `stride` floats) = rows row..row + 15 of x . `w_panel`; the panel
+// `prefetch` (or nullptr) is fetched into L2 meanwhile, a tile's worth per 32 k.
+void AmxBlock(const Problem<Bf16Pairs>& p, int64_t row, const uint32_t* w_panel, float* c, int64_t stride,
+              const uint32_t* prefetch) {
+  const uint32_t* x_rows = p.x + row * p.steps;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  for (int64_t k = 0; k < p.steps; k += kAmxRows) {
+    const uint32_t* w = w_panel + k * kPanelWidth;
+    if (prefetch) {
+      for (int line = 0; line < kAmxRows * kPanelWidth / 16; ++line)
+        __builtin_prefetch(prefetch + k * kPanelWidth + line * 16, 0, 1);
+    }
+    _tile_loadd(3, x_rows + k, p.steps * sizeof(uint32_t));
+    _tile_loadd(4, w, kPanelWidth * sizeof(uint32_t));
+    _tile_loadd(5, w + 16, kPanelWidth * sizeof(uint32_t));
+    _tile_loadd(6, w + 32, kPanelWidth * sizeof(uint32_t));
+    _tile_dpbf16ps(0, 3, 4);
+    _tile_dpbf16ps(1, 3, 5);
+    _tile_dpbf16ps(2, 3, 6);
+  }
+  _tile_stored(0, c, stride * sizeof(float));
+  _tile_stored(1, c + 16, stride * sizeof(float));
+  _tile_stored(2, c + 32, stride * sizeof(float));
+}
+
+// The whole 16-row blocks of x against panel `panel` (y's `columns` of it; gated: with its up panel);
+// returns the rows done (0 where the tile unit is not used). `next` is prefetched by the second block,
+// or by the only one.
+template <bool kGated>
+int64_t AmxRows(const Problem<Bf16Pairs>& p, int64_t panel, int64_t columns, int64_t next) {
+  if (!UseAmx(p)) return 0;
+  ConfigureTiles();
+  alignas(64) float gate[kAmxRows * kPanelWidth], up[kAmxRows * kPanelWidth];
+  const int64_t blocks = p.m / kAmxRows, prefetching = std::min<int64_t>(1, blocks - 1);
+  const int64_t up_offset = kGated ? p.panels / 2 : 0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t row = b * kAmxRows;
+    const bool prefetch = b == prefetching && next >= 0;
+    if constexpr (kGated) {
+      AmxBlock(p, row, p.panel(panel), gate, kPanelWidth, prefetch ? p.panel(next) : nullptr);
+      AmxBlock(p, row, p.panel(panel + up_offset), up, kPanelWidth, prefetch ? p.panel(next + up_offset) : nullptr);
+      for (int r = 0; r < kAmxRows; ++r)
+        for (int j = 0; j < kVectors; ++j)
+          StoreGated(p, row, panel, r, j, Load(gate + r * kPanelWidth + j * kLanes),
+                     Load(up + r * kPanelWidth + j * kLanes));
+    } else {
+      float* y = p.y + row * p.n + panel * kPanelWidth;
+      if (columns == kPanelWidth) {
+        AmxBlock(p, row, p.panel(panel), y, p.n, prefetch ? p.panel(next) : nullptr);
+      } else {
+        AmxBlock(p, row, p.panel(panel), gate, kPanelWidth, prefetch ? p.panel(next) : nullptr);
+        for (int r = 0; r < kAmxRows; ++r) std::memcpy(y + r * p.n, gate + r * kPanelWidth, columns * sizeof(float));
+      }
+    }
+  }
+  _tile_release();
+  return blocks * kAmxRows;
+}
+#endif
+
+// The rows that the tile unit multiplies first (bfloat16 weights on an AMX CPU), 0 otherwise.
+template <bool kGated, typename T>
+int64_t TileUnitRows(const Problem<T>& p, int64_t panel, int64_t columns, int64_t next) {
+#if JAXSERVE_AMX
+  if constexpr (std::is_same_v<T, Bf16Pairs>) return AmxRows<kGated>(p, panel, columns, next);
+#endif
+  (void)p, (void)panel, (void)columns, (void)next;
+  return 0;
 }
 
 // The row tile that prefetches the thread's next panel: the second, or the only one.
@@ -259,9 +387,10 @@ void Panel(const Problem<T>& p, int64_t panel, int64_t next, std::integer_sequen
   using TileFn = void (*)(const Problem<T>&, int64_t, int64_t, int64_t, const typename T::Elem*);
   static constexpr TileFn kTiles[] = {nullptr, &Tile<T, R + 1>...};  // kTiles[r]: a tile of r rows
   const int64_t columns = std::min<int64_t>(kPanelWidth, p.n - panel * kPanelWidth);
-  for (int64_t row = 0; row < p.m; row += T::kRows) {
+  const int64_t first = TileUnitRows<false>(p, panel, columns, next);
+  for (int64_t row = first; row < p.m; row += T::kRows) {
     const int64_t rows = std::min<int64_t>(T::kRows, p.m - row);
-    kTiles[rows](p, row, panel, columns, row == PrefetchingRow(p) ? p.panel(next) : nullptr);
+    kTiles[rows](p, row, panel, columns, row == PrefetchingRow(p) && first == 0 ? p.panel(next) : nullptr);
   }
 }
 
@@ -270,9 +399,10 @@ template <typename T, int... R>
 void GatedPanel(const Problem<T>& p, int64_t panel, int64_t next, std::integer_sequence<int, R...>) {
   using TileFn = void (*)(const Problem<T>&, int64_t, int64_t, int64_t);
   static constexpr TileFn kTiles[] = {nullptr, &GatedTile<T, R + 1>...};
-  for (int64_t row = 0; row < p.m; row += T::kRows) {
+  const int64_t first = TileUnitRows<true>(p, panel, kPanelWidth, next);
+  for (int64_t row = first; row < p.m; row += T::kRows) {
     const int64_t rows = std::min<int64_t>(T::kRows, p.m - row);
-    kTiles[rows](p, row, panel, row == PrefetchingRow(p) ? next : -1);
+    kTiles[rows](p, row, panel, row == PrefetchingRow(p) && first == 0 ? next : -1);
   }
 }
 
@@ -465,6 +595,18 @@ ffi::Error MatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 }  // namespace
 
 extern "C" int JaxservePackedMatmulPanelWidth() { return kPanelWidth; }
+
+// Whether bfloat16 matmuls of 16 rows or more may use AMX tiles (1: yes, where the CPU and OS allow).
+extern "C" void JaxserveSetAmx(int enabled) { amx_wanted.store(enabled != 0); }
+
+// Whether they do: built for AMX-BF16, the tile state granted, and not turned off.
+extern "C" int JaxserveAmxInUse() {
+#if JAXSERVE_AMX
+  return amx_wanted.load() && AmxPermitted();
+#else
+  return 0;
+#endif
+}
 
 namespace {
 
