@@ -58,3 +58,16 @@ def default_llm():
     from jaxserve import LLM
 
     return LLM(None, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128, dtype="float32")
+
+
+@pytest.fixture(params=["amx", "vector"])
+def matmul_path(request):
+    """The C++ bfloat16 and int8 matmuls on AMX tiles (whole blocks of 16 rows, on a CPU with AMX; skipped
+    elsewhere) and on the vector code alone."""
+    from jaxserve.ops import cpu_ffi
+
+    if request.param == "amx" and not cpu_ffi.amx_available():
+        pytest.skip("the kernels do not use AMX tiles here (no AMX, or the OS refused the tile state)")
+    cpu_ffi.set_amx(request.param == "amx")
+    yield request.param
+    cpu_ffi.set_amx(True)

@@ -126,17 +126,6 @@ def _bf16_rounded(a: np.ndarray) -> np.ndarray:
     return a.astype(jnp.bfloat16).astype(np.float64)
 
 
-@pytest.fixture(params=["amx", "vector"])
-def bf16_path(request):
-    """The bfloat16 matmul on AMX tiles (blocks of 16 rows, on a CPU with AMX-BF16; skipped elsewhere) and
-    on the vector code alone."""
-    if request.param == "amx" and not cpu_ffi.amx_in_use():
-        pytest.skip("the kernels do not use AMX tiles here (no AMX-BF16, or the OS refused the tile state)")
-    cpu_ffi.set_amx(request.param == "amx")
-    yield request.param
-    cpu_ffi.set_amx(True)
-
-
 def test_amx_is_used_where_the_cpu_has_it():
     """On a Linux CPU with AMX-BF16 (its cpuinfo flag, and the compiler's macro for it) the bfloat16 matmul
     takes the tile unit: a kernel quietly built without it would run at a fifth of the rate."""
@@ -146,9 +135,17 @@ def test_amx_is_used_where_the_cpu_has_it():
             os.environ.get("CXX", "c++")):
         pytest.skip("no AMX-BF16 on this CPU")
     assert cpu_ffi.amx_in_use()
+    x = jnp.ones((40, 64), jnp.float32)
+    packed = jax.device_put(PackedWeight.pack(np.ones((64, 100), np.float32), dtype=jnp.bfloat16))
+    before = cpu_ffi.amx_blocks()
+    np.testing.assert_array_equal(np.asarray(jax.jit(matmul)(x, packed)), 64.0)
+    assert cpu_ffi.amx_blocks() - before == 2 * 3  # two whole blocks of 16 rows, three panels
     cpu_ffi.set_amx(False)
     try:
         assert not cpu_ffi.amx_in_use()
+        before = cpu_ffi.amx_blocks()
+        np.testing.assert_array_equal(np.asarray(jax.jit(matmul)(x, packed)), 64.0)
+        assert cpu_ffi.amx_blocks() == before
     finally:
         cpu_ffi.set_amx(True)
 
@@ -156,7 +153,7 @@ def test_amx_is_used_where_the_cpu_has_it():
 @needs_kernels
 @pytest.mark.parametrize("k, n", [(2, 1), (34, 47), (64, 320), (576, 960)])
 @pytest.mark.parametrize("m", [1, 9, 16, 17, 33])
-def test_bfloat16_packed_matmul_is_the_product_of_the_rounded_operands(m, k, n, bf16_path):
+def test_bfloat16_packed_matmul_is_the_product_of_the_rounded_operands(m, k, n, matmul_path):
     """Packed in bfloat16, the kernel multiplies x and w rounded to bfloat16 (exact products) and sums in
     float32: it matches the float64 product of the rounded operands to float32's summation error, far
     closer than to the unrounded product, whatever the CPU's instructions (AMX tiles for whole blocks of
@@ -175,7 +172,7 @@ def test_bfloat16_packed_matmul_is_the_product_of_the_rounded_operands(m, k, n, 
 
 @needs_kernels
 @pytest.mark.parametrize("rows", [0, 5, 9, 24, 33, 40])
-def test_bfloat16_gated_matmul_and_row_cut(rows, bf16_path):
+def test_bfloat16_gated_matmul_and_row_cut(rows, matmul_path):
     """silu(x @ w_gate) * (x @ w_up) from bfloat16-packed [w_gate | w_up], only the first `rows` rows
     (on AMX: none, a whole 16-row block, blocks and a rest)."""
     rng = np.random.default_rng(rows)

@@ -48,10 +48,11 @@ def quantized_product(x: np.ndarray, packed: PackedWeight, n: int) -> np.ndarray
 
 @needs_kernels
 @pytest.mark.parametrize("k, n", [(4, 1), (32, 47), (64, 96), (576, 960)])
-@pytest.mark.parametrize("m", [1, 8, 9, 17])
-def test_int8_matmul_is_the_product_of_the_quantized_operands(m, k, n):
-    """Exact integer sums (vpdpbusd, or widened bytes) then two scales: the float64 product of the
-    quantized operands to float32's rounding, and within the quantization error of the float product."""
+@pytest.mark.parametrize("m", [1, 8, 9, 16, 17, 33])
+def test_int8_matmul_is_the_product_of_the_quantized_operands(m, k, n, matmul_path):
+    """Exact integer sums (AMX's tdpbsud for whole blocks of 16 rows, vpdpbusd, or widened bytes) then two
+    scales: the float64 product of the quantized operands to float32's rounding, and within the
+    quantization error of the float product."""
     rng = np.random.default_rng(m * 1000 + n)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((k, n)).astype(np.float32)
@@ -67,11 +68,11 @@ def test_int8_matmul_is_the_product_of_the_quantized_operands(m, k, n):
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [0, 5, 9, 24])
-def test_int8_gated_matmul_and_row_cut(rows):
+@pytest.mark.parametrize("rows", [0, 5, 9, 24, 33, 40])
+def test_int8_gated_matmul_and_row_cut(rows, matmul_path):
     """silu(x @ w_gate) * (x @ w_up) from int8-packed [w_gate | w_up], only the first `rows` rows, zeros below."""
     rng = np.random.default_rng(rows)
-    x = rng.standard_normal((24, 576)).astype(np.float32)
+    x = rng.standard_normal((40, 576)).astype(np.float32)
     w = (rng.standard_normal((576, 4 * PANEL_WIDTH)) / 24).astype(np.float32)
     packed = PackedWeight.pack(w, dtype=np.int8)
     gate, up = np.split(quantized_product(x, packed, 4 * PANEL_WIDTH), 2, axis=-1)
@@ -81,6 +82,31 @@ def test_int8_gated_matmul_and_row_cut(rows):
     np.testing.assert_allclose(out, expected, atol=1e-4, rtol=1e-4)
     plain = np.asarray(jax.jit(matmul)(jnp.asarray(x), jax.device_put(packed), jnp.int32(rows)))
     assert not plain[rows:].any()
+
+
+@needs_kernels
+@pytest.mark.parametrize("m, k, n", [(16, 64, 48), (37, 576, 100), (64, 1536, 576)])
+def test_int8_on_amx_tiles_is_bitwise_the_vector_code(m, k, n):
+    """AMX's tdpbsud and vpdpbusd give the same integer sums of a group, which both paths then scale into
+    float32 in the same order: the outputs are identical, bit for bit, rows past the last 16-row block
+    included."""
+    if not cpu_ffi.amx_available():
+        pytest.skip("the kernels do not use AMX tiles here")
+    rng = np.random.default_rng(k)
+    x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+    packed = jax.device_put(PackedWeight.pack(rng.standard_normal((k, n)).astype(np.float32), dtype=np.int8))
+    outs, blocks = [], []
+    for amx in (True, False):
+        cpu_ffi.set_amx(amx)
+        try:
+            before = cpu_ffi.amx_blocks()
+            outs.append(np.asarray(jax.jit(matmul)(x, packed)))
+            blocks.append(cpu_ffi.amx_blocks() - before)
+        finally:
+            cpu_ffi.set_amx(True)
+    assert blocks == [m // 16 * -(-n // PANEL_WIDTH), 0]  # every whole block on tiles, then none
+    np.testing.assert_array_equal(outs[0], outs[1])
+    assert np.abs(outs[0]).max() > 1.0
 
 
 def test_int8_packing_in_jax_and_numpy_agree_and_columns_are_the_dequantized_embeddings():
@@ -97,17 +123,22 @@ def test_int8_packing_in_jax_and_numpy_agree_and_columns_are_the_dequantized_emb
     assert not unpacked_int8(host, 12)[:, 100:].any(), "the last panel is padded with zeros"
 
 
-def test_int8_weights_are_stored_offset_by_128_and_groups_divide_a_devices_k():
+def test_int8_weights_are_stored_offset_by_128_and_groups_divide_a_devices_k(monkeypatch):
     """vpdpbusd multiplies unsigned by signed bytes: the weights are the unsigned side, q + 128 in 1..255 (q
     within +-127), the activations int8. A group is the largest of the sizes that divides K (under tensor
-    parallelism by rows, a device's block of K), else the whole of K; a block holds whole quads of rows."""
+    parallelism by rows, a device's block of K), multiples of 64 first where the kernels use AMX tiles,
+    else the whole of K; a block holds whole quads of rows."""
     w = np.random.default_rng(1).standard_normal((256, 50)).astype(np.float32)
     packed = PackedWeight.pack(w, dtype=np.int8)
     data = np.asarray(packed.data)
     assert data.dtype == np.uint8 and data.min() >= 1 and (data == 128).any()  # padding columns: q = 0
     q = unpacked_int8(packed, 256)[:, :50]
     np.testing.assert_array_equal(q, np.clip(np.round(w / packed.scale[:50]), -127, 127))
-    assert [int8_group(k) for k in (576, 1536, 4096, 288, 200, 12, 30)] == [96, 128, 128, 96, 200, 12, 30]
+    ks = (576, 1536, 4096, 288, 200, 12, 30)
+    monkeypatch.setattr(cpu_ffi, "amx_available", lambda: False)
+    assert [int8_group(k) for k in ks] == [96, 128, 128, 96, 200, 12, 30]
+    monkeypatch.setattr(cpu_ffi, "amx_available", lambda: True)  # whole AMX tiles of 64 k first
+    assert [int8_group(k) for k in ks] == [64, 128, 128, 96, 200, 12, 30]
     with pytest.raises(AssertionError, match="by fours"):
         PackedWeight.pack(w[:12], dtype=np.int8, k_shards=2)
 

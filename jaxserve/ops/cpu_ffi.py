@@ -24,6 +24,9 @@ than needed costs at most a rebuild. Compiler warnings (-Wall) go to the log. Wi
 when the compiler runs past BUILD_TIMEOUT_S, `kernel_error()` says why, and the engine keeps XLA's
 attention and dot. Activations are float32; KV pages float32, bfloat16 or float8 e4m3 (`kv_cache_dtype`).
 
+On a CPU with AMX (Intel Xeon since Sapphire Rapids) the bfloat16 and int8 matmuls multiply whole
+blocks of 16 rows on its tiles (`amx_in_use`); JAXSERVE_CPU_AMX=0 keeps them on the vector code.
+
 A library is loaded only from a directory of this user's that nobody else can write to (a directory
 others can write to lets them put their code into this process): a kernel cache that is not (a shared
 /tmp, a group-writable home), or that cannot be created (no home directory, a read-only one), is left
@@ -274,19 +277,35 @@ def _build_and_register() -> str | None:
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
         _library = lib
         _registered = True
+        if os.environ.get("JAXSERVE_CPU_AMX") == "0":  # the vector code alone, for comparison
+            lib.JaxserveSetAmx(0)
     return None
 
 
+def amx_available() -> bool:
+    """Whether the bfloat16 and int8 matmuls can multiply blocks of 16 rows or more on AMX tiles: kernels
+    built for a CPU with AMX-BF16 and AMX-INT8 (Intel Xeon since Sapphire Rapids), and Linux granting the
+    tile state. False where the kernels are not built."""
+    return kernel_error() is None and _library is not None and bool(_library.JaxserveAmxAvailable())
+
+
 def amx_in_use() -> bool:
-    """Whether the bfloat16 matmul multiplies blocks of 16 rows or more on AMX tiles: kernels built for a CPU
-    with AMX-BF16 (Intel Xeon since Sapphire Rapids), Linux granting the tile state, and not turned off by
-    `set_amx(False)`. False where the kernels are not built."""
-    return kernel_error() is None and _library is not None and bool(_library.JaxserveAmxInUse())
+    """amx_available(), and not turned off by `set_amx(False)`."""
+    return amx_available() and bool(_library.JaxserveAmxInUse())
+
+
+def amx_blocks() -> int:
+    """How many blocks of 16 rows by one 48-column panel the matmuls have multiplied on AMX tiles in this
+    process (0 where the kernels are not built)."""
+    if kernel_error() is not None or _library is None:
+        return 0
+    _library.JaxserveAmxBlocks.restype = ctypes.c_int64
+    return int(_library.JaxserveAmxBlocks())
 
 
 def set_amx(enabled: bool) -> None:
-    """Lets (or stops) the bfloat16 matmul use AMX tiles, process-wide, from the next call on: the vector
-    path then does every row (the tests compare the two). No effect where the kernels are not built."""
+    """Lets (or stops) the bfloat16 and int8 matmuls use AMX tiles, process-wide, from the next call on: the
+    vector path then does every row (the tests compare the two). No effect where the kernels are not built."""
     if kernel_error() is None and _library is not None:
         _library.JaxserveSetAmx(int(bool(enabled)))
 

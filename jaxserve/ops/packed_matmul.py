@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.ops import cpu_ffi
 from jaxserve.ops.cpu_ffi import PANEL_WIDTH
 from jaxserve.ops.quantized import QuantizedWeight
 
@@ -28,6 +29,7 @@ from jaxserve.ops.quantized import QuantizedWeight
 # whole K where none does); the larger the group, the fewer times the kernel turns its integer sums into
 # float (at 96, about a tenth of its time for 32 rows).
 INT8_GROUPS = (128, 96, 64, 32)
+AMX_INT8_GROUPS = (128, 64)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "scale"], meta_fields=["n"])
@@ -108,8 +110,11 @@ class PackedWeight:
 
 def int8_group(k: int) -> int:
     """The int8 kernel's activation group over a device's k rows: the first of INT8_GROUPS that divides k,
-    else all of k."""
-    return next((group for group in INT8_GROUPS if k % group == 0), k)
+    else all of k; where the kernels use AMX tiles (`cpu_ffi.amx_available`), the first of AMX_INT8_GROUPS,
+    whole tiles of 64 k, before those (576 = 9 x 64: this model's perplexity +1.17% against 96's +0.94%,
+    for the tile unit's rate)."""
+    groups = AMX_INT8_GROUPS + INT8_GROUPS if cpu_ffi.amx_available() else INT8_GROUPS
+    return next((group for group in groups if k % group == 0), k)
 
 
 def _panels(a, num_shards: int, n: int, pad_value, xp):

@@ -45,15 +45,18 @@
 // where x is quantized). The group's int sums stay in registers; its float sums are spilled between
 // groups. Without VNNI the bytes are widened to int32 and multiplied as such (the same integers).
 //
-// On a CPU with AMX-BF16 (Intel Xeon since Sapphire Rapids), bfloat16 weights take the tile unit for
-// every whole block of 16 rows (`AmxBlock`): the packed panel already is AMX's B-operand layout (a
-// 32-bit lane per column holding two consecutive k, 16 columns = one 64-byte tile row), and x [M, K]
-// bfloat16 is its A operand as it lies. One block of 16 rows x 48 columns is three 16 x 16 float32
-// accumulator tiles; per 32 k, one x tile and three weight tiles are loaded and three tdpbf16ps
-// issued, each 16 x 16 x 32 multiply-adds. The rows past the last whole block, and every call with
-// fewer than 16 rows (decode at small batch, bound by the weights' bytes, not by the multiply rate),
-// take the vector code above. The process asks Linux for the tile state once (arch_prctl); where it
-// is refused, or JaxserveSetAmx(0) turned it off (tests compare both paths), the vector code does all.
+// On a CPU with AMX (Intel Xeon since Sapphire Rapids), bfloat16 and int8 weights take the tile unit
+// for every whole block of 16 rows (`AmxBlock`): the packed panel already is AMX's B-operand layout (a
+// 32-bit lane per column holding two bfloat16 or four int8 consecutive k, 16 columns = one 64-byte tile
+// row), and x [M, K] (bfloat16, or the quantized int8) is its A operand as it lies. A block of 16 rows x
+// 48 columns is three 16 x 16 accumulator tiles; per 32 k (bfloat16) or 64 k (int8) one x tile and three
+// weight tiles are loaded and three tdpbf16ps (tdpbsud: signed x, unsigned w) issued. int8 sums are
+// stored and scaled group by group, so the tile unit takes int8 only where a group is whole tiles of
+// 64 k (packed_matmul.int8_group picks such groups on an AMX CPU). The rows past the last whole block,
+// and every call with fewer than 16 rows (decode at small batch, bound by the weights' bytes, not by the
+// multiply rate), take the vector code above. The process asks Linux for the tile state once
+// (arch_prctl); where it is refused, or JaxserveSetAmx(0) turned it off (tests compare both paths), the
+// vector code does all.
 
 #include <algorithm>
 #include <cstdint>
@@ -71,7 +74,7 @@
 #include "vec_math.h"
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__linux__)
 #define JAXSERVE_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -274,6 +277,7 @@ void GatedTile(const Problem<T>& p, int64_t row, int64_t panel, int64_t prefetch
 
 
 std::atomic<int> amx_wanted{1};  // JaxserveSetAmx
+std::atomic<int64_t> amx_blocks{0};  // JaxserveAmxBlocks: 16-row blocks x panels done on tiles
 
 #if JAXSERVE_AMX
 constexpr int kAmxRows = 16;  // rows of x per tile; a tile row is 64 bytes: 16 columns of 32-bit lanes
@@ -300,42 +304,94 @@ void ConfigureTiles() {
   _tile_loadconfig(&config);
 }
 
-bool UseAmx(const Problem<Bf16Pairs>& p) {
-  return p.m >= kAmxRows && p.steps % kAmxRows == 0 && amx_wanted.load(std::memory_order_relaxed) && AmxPermitted();
+template <typename T>
+bool UseAmx(const Problem<T>& p) {
+  if (p.m < kAmxRows || p.steps % kAmxRows != 0) return false;
+  if constexpr (std::is_same_v<T, U8Quads>) {
+    if (p.group_steps % kAmxRows != 0) return false;  // a group is whole tiles of 64 k
+  }
+  return amx_wanted.load(std::memory_order_relaxed) && AmxPermitted();
 }
 
-// c[16, kPanelWidth] (row stride `stride` floats) = rows row..row + 15 of x . `w_panel`; the panel
-// `prefetch` (or nullptr) is fetched into L2 meanwhile, a tile's worth per 32 k.
-void AmxBlock(const Problem<Bf16Pairs>& p, int64_t row, const uint32_t* w_panel, float* c, int64_t stride,
+// Rows of `prefetch` (a panel, or nullptr) for steps k.. k + 15 into L2: a tile's worth.
+inline void PrefetchTileRows(const uint32_t* prefetch, int64_t k) {
+  if (prefetch == nullptr) return;
+  for (int line = 0; line < kAmxRows * kPanelWidth / 16; ++line)
+    __builtin_prefetch(prefetch + k * kPanelWidth + line * 16, 0, 1);
+}
+
+// Steps k.. k + 15 of x's rows and the panel w into accumulator tiles 0-2 (bfloat16 pairs or int8 quads).
+template <typename T>
+inline void AmxStep(const uint32_t* x_rows, int64_t x_stride, const uint32_t* w, int64_t k) {
+  _tile_loadd(3, x_rows + k, x_stride * sizeof(uint32_t));
+  _tile_loadd(4, w + k * kPanelWidth, kPanelWidth * sizeof(uint32_t));
+  _tile_loadd(5, w + k * kPanelWidth + 16, kPanelWidth * sizeof(uint32_t));
+  _tile_loadd(6, w + k * kPanelWidth + 32, kPanelWidth * sizeof(uint32_t));
+  if constexpr (std::is_same_v<T, Bf16Pairs>) {
+    _tile_dpbf16ps(0, 3, 4);
+    _tile_dpbf16ps(1, 3, 5);
+    _tile_dpbf16ps(2, 3, 6);
+  } else {  // x signed, w unsigned (q + 128)
+    _tile_dpbsud(0, 3, 4);
+    _tile_dpbsud(1, 3, 5);
+    _tile_dpbsud(2, 3, 6);
+  }
+}
+
+inline void StoreTiles(void* c, int64_t stride) {
+  _tile_stored(0, c, stride * 4);
+  _tile_stored(1, static_cast<char*>(c) + 64, stride * 4);
+  _tile_stored(2, static_cast<char*>(c) + 128, stride * 4);
+}
+
+// c[16, kPanelWidth] (row stride `stride` floats) = rows row..row + 15 of x . `panel`, as the vector
+// code's accumulators (int8: before the offset and the column scales); the panel `prefetch` (or
+// nullptr) is fetched into L2 meanwhile, a tile's worth per tile step.
+void AmxBlock(const Problem<Bf16Pairs>& p, int64_t row, int64_t panel, float* c, int64_t stride,
               const uint32_t* prefetch) {
   const uint32_t* x_rows = p.x + row * p.steps;
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   for (int64_t k = 0; k < p.steps; k += kAmxRows) {
-    const uint32_t* w = w_panel + k * kPanelWidth;
-    if (prefetch) {
-      for (int line = 0; line < kAmxRows * kPanelWidth / 16; ++line)
-        __builtin_prefetch(prefetch + k * kPanelWidth + line * 16, 0, 1);
-    }
-    _tile_loadd(3, x_rows + k, p.steps * sizeof(uint32_t));
-    _tile_loadd(4, w, kPanelWidth * sizeof(uint32_t));
-    _tile_loadd(5, w + 16, kPanelWidth * sizeof(uint32_t));
-    _tile_loadd(6, w + 32, kPanelWidth * sizeof(uint32_t));
-    _tile_dpbf16ps(0, 3, 4);
-    _tile_dpbf16ps(1, 3, 5);
-    _tile_dpbf16ps(2, 3, 6);
+    PrefetchTileRows(prefetch, k);
+    AmxStep<Bf16Pairs>(x_rows, p.steps, p.panel(panel), k);
   }
-  _tile_stored(0, c, stride * sizeof(float));
-  _tile_stored(1, c + 16, stride * sizeof(float));
-  _tile_stored(2, c + 32, stride * sizeof(float));
+  StoreTiles(c, stride);
+}
+
+// int8: group by group, each group's int32 sums stored and scaled into c by the rows' group scales.
+void AmxBlock(const Problem<U8Quads>& p, int64_t row, int64_t panel, float* c, int64_t stride,
+              const uint32_t* prefetch) {
+  const uint32_t* x_rows = p.x + row * p.steps;
+  alignas(64) int32_t sums[kAmxRows * kPanelWidth];
+  for (int64_t g = 0; g < p.groups; ++g) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    for (int64_t k = g * p.group_steps; k < (g + 1) * p.group_steps; k += kAmxRows) {
+      PrefetchTileRows(prefetch, k);
+      AmxStep<U8Quads>(x_rows, p.steps, p.panel(panel), k);
+    }
+    StoreTiles(sums, kPanelWidth);
+    for (int r = 0; r < kAmxRows; ++r) {
+      const float x_scale = p.x_scale[(row + r) * p.groups + g];
+      for (int j = 0; j < kVectors; ++j) {
+        IntVec group_sums;
+        std::memcpy(&group_sums, sums + r * kPanelWidth + j * kLanes, sizeof(group_sums));
+        const Vec scaled = __builtin_convertvector(group_sums, Vec) * x_scale;
+        float* out = c + r * stride + j * kLanes;
+        Store(out, g == 0 ? scaled : Load(out) + scaled);
+      }
+    }
+  }
 }
 
 // The whole 16-row blocks of x against panel `panel` (y's `columns` of it; gated: with its up panel);
 // returns the rows done (0 where the tile unit is not used). `next` is prefetched by the second block,
 // or by the only one.
-template <bool kGated>
-int64_t AmxRows(const Problem<Bf16Pairs>& p, int64_t panel, int64_t columns, int64_t next) {
+template <bool kGated, typename T>
+int64_t AmxRows(const Problem<T>& p, int64_t panel, int64_t columns, int64_t next) {
   if (!UseAmx(p)) return 0;
   ConfigureTiles();
   alignas(64) float gate[kAmxRows * kPanelWidth], up[kAmxRows * kPanelWidth];
@@ -345,32 +401,41 @@ int64_t AmxRows(const Problem<Bf16Pairs>& p, int64_t panel, int64_t columns, int
     const int64_t row = b * kAmxRows;
     const bool prefetch = b == prefetching && next >= 0;
     if constexpr (kGated) {
-      AmxBlock(p, row, p.panel(panel), gate, kPanelWidth, prefetch ? p.panel(next) : nullptr);
-      AmxBlock(p, row, p.panel(panel + up_offset), up, kPanelWidth, prefetch ? p.panel(next + up_offset) : nullptr);
+      AmxBlock(p, row, panel, gate, kPanelWidth, prefetch ? p.panel(next) : nullptr);
+      AmxBlock(p, row, panel + up_offset, up, kPanelWidth, prefetch ? p.panel(next + up_offset) : nullptr);
       for (int r = 0; r < kAmxRows; ++r)
-        for (int j = 0; j < kVectors; ++j)
-          StoreGated(p, row, panel, r, j, Load(gate + r * kPanelWidth + j * kLanes),
-                     Load(up + r * kPanelWidth + j * kLanes));
+        for (int j = 0; j < kVectors; ++j) {
+          const int64_t column = panel * kPanelWidth + j * kLanes;
+          StoreGated(p, row, panel, r, j, p.out(Load(gate + r * kPanelWidth + j * kLanes), row + r, column),
+                     p.out(Load(up + r * kPanelWidth + j * kLanes), row + r, column + up_offset * kPanelWidth));
+        }
     } else {
       float* y = p.y + row * p.n + panel * kPanelWidth;
-      if (columns == kPanelWidth) {
-        AmxBlock(p, row, p.panel(panel), y, p.n, prefetch ? p.panel(next) : nullptr);
-      } else {
-        AmxBlock(p, row, p.panel(panel), gate, kPanelWidth, prefetch ? p.panel(next) : nullptr);
-        for (int r = 0; r < kAmxRows; ++r) std::memcpy(y + r * p.n, gate + r * kPanelWidth, columns * sizeof(float));
+      if (std::is_same_v<T, Bf16Pairs> && columns == kPanelWidth) {  // the tiles are the output
+        AmxBlock(p, row, panel, y, p.n, prefetch ? p.panel(next) : nullptr);
+        continue;
+      }
+      AmxBlock(p, row, panel, gate, kPanelWidth, prefetch ? p.panel(next) : nullptr);
+      for (int r = 0; r < kAmxRows; ++r) {
+        alignas(64) float values[kPanelWidth];
+        for (int j = 0; j < kVectors; ++j)
+          Store(values + j * kLanes, p.out(Load(gate + r * kPanelWidth + j * kLanes), row + r,
+                                           panel * kPanelWidth + j * kLanes));
+        std::memcpy(y + r * p.n, values, columns * sizeof(float));
       }
     }
   }
   _tile_release();
+  amx_blocks.fetch_add(blocks, std::memory_order_relaxed);
   return blocks * kAmxRows;
 }
 #endif
 
-// The rows that the tile unit multiplies first (bfloat16 weights on an AMX CPU), 0 otherwise.
+// The rows that the tile unit multiplies first (bfloat16 or int8 weights on an AMX CPU), 0 otherwise.
 template <bool kGated, typename T>
 int64_t TileUnitRows(const Problem<T>& p, int64_t panel, int64_t columns, int64_t next) {
 #if JAXSERVE_AMX
-  if constexpr (std::is_same_v<T, Bf16Pairs>) return AmxRows<kGated>(p, panel, columns, next);
+  if constexpr (!std::is_same_v<T, F32>) return AmxRows<kGated>(p, panel, columns, next);
 #endif
   (void)p, (void)panel, (void)columns, (void)next;
   return 0;
@@ -596,17 +661,24 @@ ffi::Error MatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 
 extern "C" int JaxservePackedMatmulPanelWidth() { return kPanelWidth; }
 
-// Whether bfloat16 matmuls of 16 rows or more may use AMX tiles (1: yes, where the CPU and OS allow).
+// Whether bfloat16 and int8 matmuls of 16 rows or more may use AMX tiles (1: yes, where the CPU and OS
+// allow).
 extern "C" void JaxserveSetAmx(int enabled) { amx_wanted.store(enabled != 0); }
 
-// Whether they do: built for AMX-BF16, the tile state granted, and not turned off.
-extern "C" int JaxserveAmxInUse() {
+// Whether they can: built for AMX-BF16 and AMX-INT8, and the tile state granted.
+extern "C" int JaxserveAmxAvailable() {
 #if JAXSERVE_AMX
-  return amx_wanted.load() && AmxPermitted();
+  return AmxPermitted();
 #else
   return 0;
 #endif
 }
+
+// How many blocks of 16 rows x one panel the tiles have multiplied in this process (tests count them).
+extern "C" int64_t JaxserveAmxBlocks() { return amx_blocks.load(); }
+
+// Whether they do: available, and not turned off.
+extern "C" int JaxserveAmxInUse() { return amx_wanted.load() && JaxserveAmxAvailable(); }
 
 namespace {
 
