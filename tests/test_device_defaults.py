@@ -132,15 +132,17 @@ def test_the_flags_parse():
         parse("--gpu-memory-utilization", "90")
 
 
-@pytest.mark.parametrize("avx512_bf16", [False, True])
-def test_no_flags_on_a_cpu_start_the_engine_of_before(tiny_model_dir, capsys, monkeypatch, avx512_bf16):
+@pytest.mark.parametrize("avx512_bf16, amx", [(False, False), (True, False), (True, True)])
+def test_no_flags_on_a_cpu_start_the_engine_of_before(tiny_model_dir, capsys, monkeypatch, avx512_bf16, amx):
     """`jaxserve serve MODEL` on a CPU: today's numbers, and the start-up line says what was chosen; where
-    the CPU has AVX512-BF16, the weights and KV pages are bfloat16 (the cpu-bf16 kernels), and it says so."""
+    the CPU has AVX512-BF16, the weights and KV pages are bfloat16 (the cpu-bf16 kernels), and it says so,
+    naming AMX's tiles where the matmul uses them."""
     from jaxserve.ops import cpu_ffi
 
     if cpu_ffi.kernel_error() is not None:
         pytest.skip(f"the C++ kernels do not build here: {cpu_ffi.kernel_error()}")
     monkeypatch.setattr(cpu_ffi, "bf16_dot_instructions", lambda: avx512_bf16)
+    monkeypatch.setattr(cpu_ffi, "amx_available", lambda: amx)
     engine, _ = LLMEngine.from_config(tiny_model_dir("llama"), EngineConfig(), warmup=False)
     cfg = engine.cfg
     assert (cfg.dtype, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.kv_cache_memory_bytes) == (
@@ -153,6 +155,7 @@ def test_no_flags_on_a_cpu_start_the_engine_of_before(tiny_model_dir, capsys, mo
         assert (cfg.matmul_backend, cfg.kv_cache_dtype, engine.runner.attention_backend) == (
             "cpu-bf16", "bfloat16", "cpu-bf16")
         assert half in err and "weights bfloat16 (the C++ matmul)" in err
+        assert ("this CPU has AVX512-BF16 and AMX tiles)" in err) == amx
         assert ("jaxserve: defaults for cpu (a CPU's defaults): kv_cache_dtype bfloat16, max_num_seqs 32, "
                 "max_num_batched_tokens 512, KV cache 512 MiB, max_model_len") in err
     else:

@@ -163,12 +163,13 @@ def cpu_half_precision(engine_cfg: EngineConfig, platform: str | None = None) ->
     if (platform != "cpu" or engine_cfg.dtype != "auto" or engine_cfg.matmul_backend != "auto"
             or engine_cfg.attention_backend not in ("auto", "cpu") or engine_cfg.quantization):
         return None
-    from jaxserve.ops.cpu_ffi import bf16_dot_instructions, kernel_error
+    from jaxserve.ops.cpu_ffi import amx_available, bf16_dot_instructions, kernel_error
 
     if not bf16_dot_instructions() or kernel_error():
         return None
+    has = "AVX512-BF16 and AMX tiles" if amx_available() else "AVX512-BF16"
     return ("dtype auto: bfloat16 weights and KV pages (the cpu-bf16 matmul and attention, float32 sums: this CPU "
-            "has AVX512-BF16); --dtype float32 keeps Hugging Face's float32 tokens")
+            f"has {has}); --dtype float32 keeps Hugging Face's float32 tokens")
 
 
 def write_kv(k_pages, v_pages, layer, k, v, slot_mapping, *, backend: str = "xla"):
