@@ -111,12 +111,13 @@ def test_the_c_page_writer_writes_what_xlas_scatter_writes_in_place(page_dtype):
 
 
 @pytest.mark.parametrize("head_dim,page_size,group,window,soft_cap", CASES[:4])
-def test_bf16_products_round_the_prompt_tiles_operands_only(head_dim, page_size, group, window, soft_cap):
+def test_bf16_products_round_the_prompt_tiles_operands_only(head_dim, page_size, group, window, soft_cap,
+                                                            matmul_path):
     """backend "cpu-bf16" (the kernel's bf16_products): on an AVX512-BF16 CPU the prompt tiles multiply
-    queries, keys, softmax weights and values rounded to bfloat16, so they agree with the reference on
-    rounded q, k, v to bfloat16's precision and differ from float32's products; over float32 pages, rows
-    attended one by one (decode rows, short runs) are float32's exactly. Without the instruction the flag
-    changes nothing."""
+    queries, keys, softmax weights and values rounded to bfloat16 (on AMX tiles where the CPU has them,
+    else vdpbf16ps), so they agree with the reference on rounded q, k, v to bfloat16's precision and differ
+    from float32's products; over float32 pages, rows attended one by one (decode rows, short runs) are
+    float32's exactly. Without the instruction the flag changes nothing."""
     lengths = long_chunk_lengths(page_size)
     q, k, v, md, real_tokens = build_case(lengths, page_size=page_size, head_dim=head_dim, group=group,
                                           dtype="float32", seed=4)

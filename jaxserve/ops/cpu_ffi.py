@@ -62,7 +62,7 @@ from jaxserve.config import cache_dirs
 logger = logging.getLogger(__name__)
 KERNELS_DIR = Path(__file__).parent / "cpu_kernels"
 SOURCES = (KERNELS_DIR / "paged_row_attention.cc", KERNELS_DIR / "packed_matmul.cc", KERNELS_DIR / "lora_bgmv.cc")
-HEADERS = (KERNELS_DIR / "parallel_for.h", KERNELS_DIR / "vec_math.h")
+HEADERS = (KERNELS_DIR / "parallel_for.h", KERNELS_DIR / "vec_math.h", KERNELS_DIR / "amx.h")
 TARGETS = {  # FFI target -> handler symbol
     "jaxserve_paged_row_attention": "JaxservePagedRowAttention",
     "jaxserve_paged_row_attention_bf16_pages": "JaxservePagedRowAttentionBf16Pages",

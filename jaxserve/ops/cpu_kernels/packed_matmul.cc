@@ -70,17 +70,10 @@
 #include <type_traits>
 #include <utility>
 
+#include "amx.h"
 #include "parallel_for.h"
 #include "vec_math.h"
 #include "xla/ffi/api/ffi.h"
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__linux__)
-#define JAXSERVE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#else
-#define JAXSERVE_AMX 0
-#endif
 #include <atomic>
 
 namespace ffi = xla::ffi;
@@ -280,29 +273,10 @@ std::atomic<int> amx_wanted{1};  // JaxserveSetAmx
 std::atomic<int64_t> amx_blocks{0};  // JaxserveAmxBlocks: 16-row blocks x panels done on tiles
 
 #if JAXSERVE_AMX
-constexpr int kAmxRows = 16;  // rows of x per tile; a tile row is 64 bytes: 16 columns of 32-bit lanes
+using jaxserve::AmxPermitted;
+using jaxserve::ConfigureTiles;
+using jaxserve::kAmxRows;
 static_assert(kPanelWidth == 3 * 16, "a panel is three AMX weight tiles wide");
-
-// Linux hands out the 8 KiB of tile registers only to a process that asks (once, for all its threads).
-bool AmxPermitted() {
-  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                        18 /* XFEATURE_XTILEDATA */) == 0;
-  return permitted;
-}
-
-// Every tile 16 rows of 64 bytes: accumulators 0-2, x in 3, the panel's three column tiles in 4-6.
-void ConfigureTiles() {
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  } config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = kAmxRows;
-  }
-  _tile_loadconfig(&config);
-}
 
 template <typename T>
 bool UseAmx(const Problem<T>& p) {

@@ -35,6 +35,7 @@
 #include <utility>
 #include <vector>
 
+#include "amx.h"
 #include "parallel_for.h"
 #include "vec_math.h"
 #include "xla/ffi/api/ffi.h"
@@ -633,7 +634,7 @@ struct TileBf16 {
 
   // scores [padded keys, kTileLanes] as TileScores, from rounded queries and keys.
   template <typename Page>
-  static void Scores(const Problem<Page>& p, const TileJob& job, int64_t padded, Scratch& scratch) {
+  static void Scores(const Problem<Page>& p, const TileJob& job, int64_t padded, Scratch& scratch, bool amx) {
     auto& queries = scratch.query_pairs;  // [D / 2, kTileLanes]
     queries.assign(kHalfD * kTileLanes, 0u);
     ForEachTileQuery<DV>(p, job, [&](int64_t lane, const float* q) {
@@ -650,6 +651,12 @@ struct TileBf16 {
       }
     }
     float* scores = scratch.tile_scores.data();
+#if JAXSERVE_AMX
+    if (amx) {  // padded: whole tiles of 16 keys
+      AmxScores(keys.data(), queries.data(), padded, scores);
+      return;
+    }
+#endif
     for (int64_t i0 = 0; i0 < padded; i0 += kKeyTile) {
       Vec acc[kKeyTile][kTileVectors] = {};
       const uint32_t* tile_keys = keys.data() + i0 * kHalfD;
@@ -669,7 +676,13 @@ struct TileBf16 {
   // out = weights^T . values for the tile's lanes, R at a time, from rounded weights (the softmax's
   // numerators in tile_scores) and values; an odd last key pairs with a zero.
   template <int R, typename Page>
-  static void WeightedSum(const Problem<Page>& p, const TileJob& job, int64_t count, Scratch& scratch) {
+  static void WeightedSum(const Problem<Page>& p, const TileJob& job, int64_t count, Scratch& scratch, bool amx) {
+#if JAXSERVE_AMX
+    if (amx) {
+      AmxWeightedSum(p, job, count, scratch);
+      return;
+    }
+#endif
     const int64_t pairs = (count + 1) / 2;
     const float* scores = scratch.tile_scores.data();
     auto& weights = scratch.weight_pairs;  // [pairs, kTileLanes]
@@ -703,6 +716,103 @@ struct TileBf16 {
     }
   }
 
+#if JAXSERVE_AMX
+  // The scores on AMX tiles: keys [padded, D / 2] pairs are the A operand, 16 keys a tile; the queries
+  // [D / 2, kTileLanes] pairs the B operand, three tiles of 16 lanes; scores [padded, kTileLanes] float32.
+  static void AmxScores(const uint32_t* keys, const uint32_t* queries, int64_t padded, float* scores) {
+    static_assert(kTileLanes == 48 && kHalfD % jaxserve::kAmxRows == 0, "three lane tiles, whole tiles of D");
+    constexpr int64_t kStride = kTileLanes * sizeof(float);
+    jaxserve::ConfigureTiles();
+    for (int64_t i0 = 0; i0 < padded; i0 += jaxserve::kAmxRows) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      for (int64_t e = 0; e < kHalfD; e += jaxserve::kAmxRows) {
+        _tile_loadd(3, keys + i0 * kHalfD + e, kHalfD * sizeof(uint32_t));
+        _tile_loadd(4, queries + e * kTileLanes, kStride);
+        _tile_loadd(5, queries + e * kTileLanes + 16, kStride);
+        _tile_loadd(6, queries + e * kTileLanes + 32, kStride);
+        _tile_dpbf16ps(0, 3, 4);
+        _tile_dpbf16ps(1, 3, 5);
+        _tile_dpbf16ps(2, 3, 6);
+      }
+      _tile_stored(0, scores + i0 * kTileLanes, kStride);
+      _tile_stored(1, scores + i0 * kTileLanes + 16, kStride);
+      _tile_stored(2, scores + i0 * kTileLanes + 32, kStride);
+    }
+    _tile_release();
+  }
+
+  // The weighted sum on AMX tiles: the weights transposed to [kTileLanes, pairs] (A: 16 lanes by 16 pairs
+  // of keys a tile), the values [pairs, D] (B: 16 pairs by 16 of D), both zero past the last pair to a
+  // whole tile; out [16 lanes, D] per row of lane tiles, 4 accumulator tiles of 16 of D at a time.
+  template <typename Page>
+  static void AmxWeightedSum(const Problem<Page>& p, const TileJob& job, int64_t count, Scratch& scratch) {
+    constexpr int64_t kTile = jaxserve::kAmxRows;
+    const int64_t pairs = (count + 1) / 2, whole = (pairs + kTile - 1) / kTile * kTile;
+    const float* scores = scratch.tile_scores.data();
+    auto& weights = scratch.weight_pairs;  // [kTileLanes, whole]
+    auto& values = scratch.value_pairs;    // [whole, D]
+    weights.assign(kTileLanes * whole, 0u);
+    values.assign(whole * D, 0u);
+    for (int64_t i = 0; i < pairs; ++i) {
+      const bool odd = 2 * i + 1 < count;
+      for (int v = 0; v < kTileVectors; ++v) {
+        const Vec even = Load(scores + 2 * i * kTileLanes + v * kLanes);
+        const Vec next = odd ? Load(scores + (2 * i + 1) * kTileLanes + v * kLanes) : Vec{};
+        const PairVec pair = Pairs(even, next);
+        for (int l = 0; l < kLanes; ++l) weights[(v * kLanes + l) * whole + i] = pair[l];
+      }
+      const Page* even_row = static_cast<const Page*>(scratch.value_rows[2 * i]);
+      const Page* odd_row = odd ? static_cast<const Page*>(scratch.value_rows[2 * i + 1]) : nullptr;
+      for (int dv = 0; dv < DV; ++dv) {
+        const Vec next = odd_row ? Load(odd_row + dv * kLanes) : Vec{};
+        StorePairs(values.data() + i * D + dv * kLanes, Pairs(Load(even_row + dv * kLanes), next));
+      }
+    }
+    constexpr int64_t kWeightStride = sizeof(uint32_t), kValueStride = D * sizeof(uint32_t);
+    alignas(64) float out_tile[kTile * D];
+    const int64_t lanes = job.tokens * p.group;
+    const float* inv_sums = scratch.tile_inv_sums.data();
+    jaxserve::ConfigureTiles();
+    for (int64_t lane0 = 0; lane0 < lanes; lane0 += kTile) {
+      for (int64_t d0 = 0; d0 < D; d0 += 4 * kTile) {  // D is a multiple of 32: 2 or 4 tiles a pass
+        const bool four = d0 + 4 * kTile <= D;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k = 0; k < whole; k += kTile) {
+          const uint32_t* value_rows = values.data() + k * D + d0;
+          _tile_loadd(4, weights.data() + lane0 * whole + k, whole * kWeightStride);
+          _tile_loadd(5, value_rows, kValueStride);
+          _tile_dpbf16ps(0, 4, 5);
+          _tile_loadd(6, value_rows + 16, kValueStride);
+          _tile_dpbf16ps(1, 4, 6);
+          if (four) {
+            _tile_loadd(7, value_rows + 32, kValueStride);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_loadd(5, value_rows + 48, kValueStride);
+            _tile_dpbf16ps(3, 4, 5);
+          }
+        }
+        _tile_stored(0, out_tile + d0, D * sizeof(float));
+        _tile_stored(1, out_tile + d0 + 16, D * sizeof(float));
+        if (four) {
+          _tile_stored(2, out_tile + d0 + 32, D * sizeof(float));
+          _tile_stored(3, out_tile + d0 + 48, D * sizeof(float));
+        }
+      }
+      for (int64_t r = 0; r < kTile && lane0 + r < lanes; ++r) {
+        const int64_t lane = lane0 + r;
+        float* out = p.out + (job.first_row + lane / p.group) * p.num_heads * D + (job.kv_head * p.group + lane % p.group) * D;
+        for (int dv = 0; dv < DV; ++dv) Store(out + dv * kLanes, Load(out_tile + r * D + dv * kLanes) * inv_sums[lane]);
+      }
+    }
+    _tile_release();
+  }
+#endif
+
   // The even and odd lanes of the 2 kLanes elements a, b.
   template <int... L>
   static Vec Evens(Vec a, Vec b, std::integer_sequence<int, L...>) { return __builtin_shufflevector(a, b, (2 * L)...); }
@@ -721,7 +831,10 @@ void AttendTile(const Problem<Page>& p, const TileJob& job, Scratch& scratch) {
   const int64_t last_kv_len = std::min<int64_t>(first_kv_len + job.tokens - 1, cap);
   const auto start_of = [&](int64_t kv_len) { return p.window > 0 ? std::max<int64_t>(kv_len - p.window, 0) : 0; };
   const int64_t lo = start_of(first_kv_len), count = last_kv_len - lo;
-  const int64_t padded = (count + kKeyTile - 1) / kKeyTile * kKeyTile;
+  // bfloat16 products on AMX tiles where the kernels use them: keys padded to whole tiles of 16
+  const bool amx = kBf16Products && p.bf16_products && JAXSERVE_AMX && JaxserveAmxInUse();
+  const int64_t key_tile = amx ? 16 : kKeyTile;
+  const int64_t padded = (count + key_tile - 1) / key_tile * key_tile;
   const int64_t table_row = std::clamp<int64_t>(p.row_seqs[job.first_row], 0, p.num_table_rows - 1);
   const int32_t* table = p.tables + table_row * p.table_width;
   const RowKeys<Page> keys{p, table, lo, last_kv_len};
@@ -737,7 +850,7 @@ void AttendTile(const Problem<Page>& p, const TileJob& job, Scratch& scratch) {
   auto& scores = scratch.tile_scores;  // [padded keys, kTileLanes]
   scores.resize(padded * kTileLanes);
   if (kBf16Products && p.bf16_products) {
-    TileBf16<DV>::Scores(p, job, padded, scratch);
+    TileBf16<DV>::Scores(p, job, padded, scratch, amx);
   } else {
     TileScores<DV>(p, job, padded, scratch);
   }
@@ -784,7 +897,7 @@ void AttendTile(const Problem<Page>& p, const TileJob& job, Scratch& scratch) {
     for (int l = 0; l < kLanes; ++l) inv_sums[v * kLanes + l] = sum[v][l] > 0.0f ? 1.0f / sum[v][l] : 0.0f;
 
   if (kBf16Products && p.bf16_products) {
-    TileBf16<DV>::template WeightedSum<R>(p, job, count, scratch);
+    TileBf16<DV>::template WeightedSum<R>(p, job, count, scratch, amx);
     return;
   }
   for (int64_t lane0 = 0; lane0 < lanes; lane0 += R) {

@@ -1,0 +1,48 @@
+// What the C++ kernels share to use AMX tiles (Intel Xeon since Sapphire Rapids): whether the library
+// is built for them, the process's permission, and the one tile configuration every kernel uses.
+
+#pragma once
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__linux__)
+#define JAXSERVE_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define JAXSERVE_AMX 0
+#endif
+
+#include <cstdint>
+
+// Whether the kernels may use the tiles now: built for them, granted, and not turned off
+// (JaxserveSetAmx); defined in packed_matmul.cc.
+extern "C" int JaxserveAmxInUse();
+
+namespace jaxserve {
+
+#if JAXSERVE_AMX
+constexpr int kAmxRows = 16;  // rows per tile; a tile row is 64 bytes: 16 32-bit lanes
+
+// Linux hands out the 8 KiB of tile registers only to a process that asks (once, for all its threads).
+inline bool AmxPermitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                        18 /* XFEATURE_XTILEDATA */) == 0;
+  return permitted;
+}
+
+// Every tile 16 rows of 64 bytes (the kernels number their accumulators, operands and their roles).
+inline void ConfigureTiles() {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = kAmxRows;
+  }
+  _tile_loadconfig(&config);
+}
+#endif
+
+}  // namespace jaxserve
