@@ -59,6 +59,7 @@
 // vector code does all.
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -74,7 +75,6 @@
 #include "parallel_for.h"
 #include "vec_math.h"
 #include "xla/ffi/api/ffi.h"
-#include <atomic>
 
 namespace ffi = xla::ffi;
 
@@ -267,7 +267,6 @@ void GatedTile(const Problem<T>& p, int64_t row, int64_t panel, int64_t prefetch
                  p.out(up_acc[r][j], row + r, column + p.panels / 2 * kPanelWidth));
     }
 }
-
 
 std::atomic<int> amx_wanted{1};  // JaxserveSetAmx
 std::atomic<int64_t> amx_blocks{0};  // JaxserveAmxBlocks: 16-row blocks x panels done on tiles
