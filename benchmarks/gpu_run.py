@@ -477,6 +477,10 @@ def section_pytest(ctx: Context) -> dict:
             "collect_only": ctx.smoke}
 
 
+# A smoke run on a busy 2-core CPU (CI runs two test files at once) is not an H100: its sections get this
+# many times their H100 boxes, and the run's deadline still bounds the whole.
+SMOKE_BOX_FACTOR = 4
+
 SECTIONS = {  # name: (function, time box in seconds on an H100)
     "ceilings": (section_ceilings, 25),
     "kernels": (section_kernels, 45),
@@ -687,8 +691,9 @@ def main(argv=None) -> int:
             if remaining < 20:
                 sections[name] = {"seconds": 0.0, "error": f"not started: {remaining:.0f} s left of the deadline"}
                 continue
-            log(f"section {name} (time box {min(SECTIONS[name][1], remaining):.0f} s)")
-            sections[name] = run_section(name, args, min(SECTIONS[name][1], remaining), log_file)
+            box = min(SECTIONS[name][1] * (SMOKE_BOX_FACTOR if args.smoke else 1), remaining)
+            log(f"section {name} (time box {box:.0f} s)")
+            sections[name] = run_section(name, args, box, log_file)
             log(f"section {name}: {sections[name].get('error') or 'done'} in {sections[name]['seconds']:.0f} s")
             write_results(out, facts, sections)  # after every section: a killed run still leaves its results
     text = write_results(out, facts, sections)
