@@ -139,7 +139,10 @@ def test_amx_is_used_where_the_cpu_has_it():
     packed = jax.device_put(PackedWeight.pack(np.ones((64, 100), np.float32), dtype=jnp.bfloat16))
     before = cpu_ffi.amx_blocks()
     np.testing.assert_array_equal(np.asarray(jax.jit(matmul)(x, packed)), 64.0)
-    assert cpu_ffi.amx_blocks() - before == 2 * 3  # two whole blocks of 16 rows, three panels
+    assert cpu_ffi.amx_blocks() - before == 3 * 3  # two whole blocks of 16 rows and one of 8, three panels
+    before = cpu_ffi.amx_blocks()
+    np.testing.assert_array_equal(np.asarray(jax.jit(matmul)(x[:3], packed)), 64.0)
+    assert cpu_ffi.amx_blocks() == before, "three rows are the vector code's"
     cpu_ffi.set_amx(False)
     try:
         assert not cpu_ffi.amx_in_use()
@@ -152,12 +155,12 @@ def test_amx_is_used_where_the_cpu_has_it():
 
 @needs_kernels
 @pytest.mark.parametrize("k, n", [(2, 1), (34, 47), (64, 320), (576, 960)])
-@pytest.mark.parametrize("m", [1, 9, 16, 17, 33])
+@pytest.mark.parametrize("m", [1, 3, 9, 16, 17, 20, 33])
 def test_bfloat16_packed_matmul_is_the_product_of_the_rounded_operands(m, k, n, matmul_path):
     """Packed in bfloat16, the kernel multiplies x and w rounded to bfloat16 (exact products) and sums in
     float32: it matches the float64 product of the rounded operands to float32's summation error, far
-    closer than to the unrounded product, whatever the CPU's instructions (AMX tiles for whole blocks of
-    16 rows where K is a multiple of 32, vdpbf16ps or widening for the rest)."""
+    closer than to the unrounded product, whatever the CPU's instructions (AMX tiles for blocks of 16 rows
+    and a last block of 4 or more where K is a multiple of 32, vdpbf16ps or widening for the rest)."""
     rng = np.random.default_rng(m * 1000 + n)
     x = rng.standard_normal((m, k), np.float32)
     w = rng.standard_normal((k, n), np.float32)

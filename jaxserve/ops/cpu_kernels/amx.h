@@ -30,8 +30,10 @@ inline bool AmxPermitted() {
   return permitted;
 }
 
-// Every tile 16 rows of 64 bytes (the kernels number their accumulators, operands and their roles).
-inline void ConfigureTiles() {
+// Every tile 64 bytes wide; tiles 0-3 `rows` rows (1-16), tiles 4-7 16. The kernels give tiles 0-2 to
+// accumulators and 3 to the A operand, whose row counts must agree, so a block of fewer than 16 rows
+// (the last of a matmul's) is that many rows of tiles 0-3; the B operands (4-7) are always 16 rows.
+inline void ConfigureTiles(int rows = kAmxRows) {
   struct alignas(64) {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
     uint16_t colsb[16] = {};
@@ -39,7 +41,7 @@ inline void ConfigureTiles() {
   } config;
   for (int t = 0; t < 8; ++t) {
     config.colsb[t] = 64;
-    config.rows[t] = kAmxRows;
+    config.rows[t] = t < 4 ? rows : kAmxRows;
   }
   _tile_loadconfig(&config);
 }

@@ -46,15 +46,16 @@
 // groups. Without VNNI the bytes are widened to int32 and multiplied as such (the same integers).
 //
 // On a CPU with AMX (Intel Xeon since Sapphire Rapids), bfloat16 and int8 weights take the tile unit
-// for every whole block of 16 rows (`AmxBlock`): the packed panel already is AMX's B-operand layout (a
+// in blocks of 16 rows (`AmxBlock`): the packed panel already is AMX's B-operand layout (a
 // 32-bit lane per column holding two bfloat16 or four int8 consecutive k, 16 columns = one 64-byte tile
 // row), and x [M, K] (bfloat16, or the quantized int8) is its A operand as it lies. A block of 16 rows x
 // 48 columns is three 16 x 16 accumulator tiles; per 32 k (bfloat16) or 64 k (int8) one x tile and three
 // weight tiles are loaded and three tdpbf16ps (tdpbsud: signed x, unsigned w) issued. int8 sums are
 // stored and scaled group by group, so the tile unit takes int8 only where a group is whole tiles of
-// 64 k (packed_matmul.int8_group picks such groups on an AMX CPU). The rows past the last whole block,
-// and every call with fewer than 16 rows (decode at small batch, bound by the weights' bytes, not by the
-// multiply rate), take the vector code above. The process asks Linux for the tile state once
+// 64 k (packed_matmul.int8_group picks such groups on an AMX CPU). bfloat16's last block may be 4-15
+// rows (tiles configured that short): decode at batch 8 is then bound by the weights' bytes, not by
+// vdpbf16ps's rate. One to three rows, and int8's rows past the last whole block, take the vector code
+// above (`kMinAmxRows`). The process asks Linux for the tile state once
 // (arch_prctl); where it is refused, or JaxserveSetAmx(0) turned it off (tests compare both paths), the
 // vector code does all.
 
@@ -277,9 +278,16 @@ using jaxserve::ConfigureTiles;
 using jaxserve::kAmxRows;
 static_assert(kPanelWidth == 3 * 16, "a panel is three AMX weight tiles wide");
 
+// The fewest rows worth a block of tiles. bfloat16: 4; at 8 rows the tiles take half the vector code's
+// time (LM head 576 x 49152: 2.25 against 3.76 ms), at 1-3 rows both are bound by the weights' bytes and
+// the vector code is a little faster. int8: whole blocks only; at 2-8 rows VNNI's vpdpbusd beats the tiles,
+// whose int32 sums are stored and scaled every group (LM head, 8 rows: 1.14 against 1.43 ms).
+template <typename T>
+constexpr int64_t kMinAmxRows = std::is_same_v<T, U8Quads> ? kAmxRows : 4;
+
 template <typename T>
 bool UseAmx(const Problem<T>& p) {
-  if (p.m < kAmxRows || p.steps % kAmxRows != 0) return false;
+  if (p.m < kMinAmxRows<T> || p.steps % kAmxRows != 0) return false;
   if constexpr (std::is_same_v<T, U8Quads>) {
     if (p.group_steps % kAmxRows != 0) return false;  // a group is whole tiles of 64 k
   }
@@ -321,11 +329,12 @@ inline void StoreTiles(void* c, int64_t stride) {
   _tile_stored(2, static_cast<char*>(c) + 128, stride * 4);
 }
 
-// c[16, kPanelWidth] (row stride `stride` floats) = rows row..row + 15 of x . `panel`, as the vector
-// code's accumulators (int8: before the offset and the column scales); the panel `prefetch` (or
-// nullptr) is fetched into L2 meanwhile, a tile's worth per tile step.
+// c[rows, kPanelWidth] (row stride `stride` floats) = rows row..row + rows - 1 of x . `panel` (the
+// tiles configured for `rows`), as the vector code's accumulators (int8: before the offset and the
+// column scales); the panel `prefetch` (or nullptr) is fetched into L2 meanwhile, a tile's worth per
+// tile step.
 void AmxBlock(const Problem<Bf16Pairs>& p, int64_t row, int64_t panel, float* c, int64_t stride,
-              const uint32_t* prefetch) {
+              const uint32_t* prefetch, int) {
   const uint32_t* x_rows = p.x + row * p.steps;
   _tile_zero(0);
   _tile_zero(1);
@@ -339,7 +348,7 @@ void AmxBlock(const Problem<Bf16Pairs>& p, int64_t row, int64_t panel, float* c,
 
 // int8: group by group, each group's int32 sums stored and scaled into c by the rows' group scales.
 void AmxBlock(const Problem<U8Quads>& p, int64_t row, int64_t panel, float* c, int64_t stride,
-              const uint32_t* prefetch) {
+              const uint32_t* prefetch, int rows) {
   const uint32_t* x_rows = p.x + row * p.steps;
   alignas(64) int32_t sums[kAmxRows * kPanelWidth];
   for (int64_t g = 0; g < p.groups; ++g) {
@@ -351,7 +360,7 @@ void AmxBlock(const Problem<U8Quads>& p, int64_t row, int64_t panel, float* c, i
       AmxStep<U8Quads>(x_rows, p.steps, p.panel(panel), k);
     }
     StoreTiles(sums, kPanelWidth);
-    for (int r = 0; r < kAmxRows; ++r) {
+    for (int r = 0; r < rows; ++r) {
       const float x_scale = p.x_scale[(row + r) * p.groups + g];
       for (int j = 0; j < kVectors; ++j) {
         IntVec group_sums;
@@ -364,23 +373,26 @@ void AmxBlock(const Problem<U8Quads>& p, int64_t row, int64_t panel, float* c, i
   }
 }
 
-// The whole 16-row blocks of x against panel `panel` (y's `columns` of it; gated: with its up panel);
-// returns the rows done (0 where the tile unit is not used). `next` is prefetched by the second block,
-// or by the only one.
+// x's rows in blocks of 16, the last block the rest (if it has kMinAmxRows), against panel `panel` (y's
+// `columns` of it; gated: with its up panel); returns the rows done (0 where the tile unit is not used).
+// `next` is prefetched by the second block, or by the only one.
 template <bool kGated, typename T>
 int64_t AmxRows(const Problem<T>& p, int64_t panel, int64_t columns, int64_t next) {
   if (!UseAmx(p)) return 0;
-  ConfigureTiles();
   alignas(64) float gate[kAmxRows * kPanelWidth], up[kAmxRows * kPanelWidth];
-  const int64_t blocks = p.m / kAmxRows, prefetching = std::min<int64_t>(1, blocks - 1);
+  const int64_t done = p.m % kAmxRows >= kMinAmxRows<T> ? p.m : p.m / kAmxRows * kAmxRows;
+  const int64_t blocks = (done + kAmxRows - 1) / kAmxRows, prefetching = std::min<int64_t>(1, blocks - 1);
   const int64_t up_offset = kGated ? p.panels / 2 : 0;
+  int configured = 0;
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t row = b * kAmxRows;
-    const bool prefetch = b == prefetching && next >= 0;
+    const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, done - row));
+    if (rows != configured) ConfigureTiles(configured = rows);
+    const uint32_t* prefetch = b == prefetching && next >= 0 ? p.panel(next) : nullptr;
     if constexpr (kGated) {
-      AmxBlock(p, row, panel, gate, kPanelWidth, prefetch ? p.panel(next) : nullptr);
-      AmxBlock(p, row, panel + up_offset, up, kPanelWidth, prefetch ? p.panel(next + up_offset) : nullptr);
-      for (int r = 0; r < kAmxRows; ++r)
+      AmxBlock(p, row, panel, gate, kPanelWidth, prefetch, rows);
+      AmxBlock(p, row, panel + up_offset, up, kPanelWidth, prefetch ? p.panel(next + up_offset) : nullptr, rows);
+      for (int r = 0; r < rows; ++r)
         for (int j = 0; j < kVectors; ++j) {
           const int64_t column = panel * kPanelWidth + j * kLanes;
           StoreGated(p, row, panel, r, j, p.out(Load(gate + r * kPanelWidth + j * kLanes), row + r, column),
@@ -389,11 +401,11 @@ int64_t AmxRows(const Problem<T>& p, int64_t panel, int64_t columns, int64_t nex
     } else {
       float* y = p.y + row * p.n + panel * kPanelWidth;
       if (std::is_same_v<T, Bf16Pairs> && columns == kPanelWidth) {  // the tiles are the output
-        AmxBlock(p, row, panel, y, p.n, prefetch ? p.panel(next) : nullptr);
+        AmxBlock(p, row, panel, y, p.n, prefetch, rows);
         continue;
       }
-      AmxBlock(p, row, panel, gate, kPanelWidth, prefetch ? p.panel(next) : nullptr);
-      for (int r = 0; r < kAmxRows; ++r) {
+      AmxBlock(p, row, panel, gate, kPanelWidth, prefetch, rows);
+      for (int r = 0; r < rows; ++r) {
         alignas(64) float values[kPanelWidth];
         for (int j = 0; j < kVectors; ++j)
           Store(values + j * kLanes, p.out(Load(gate + r * kPanelWidth + j * kLanes), row + r,
@@ -404,7 +416,7 @@ int64_t AmxRows(const Problem<T>& p, int64_t panel, int64_t columns, int64_t nex
   }
   _tile_release();
   amx_blocks.fetch_add(blocks, std::memory_order_relaxed);
-  return blocks * kAmxRows;
+  return done;
 }
 #endif
 
