@@ -58,10 +58,15 @@ def model_dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engines(model_dirs) -> dict[str, LLM]:
     """The target alone, with the small draft, and with itself as its draft; built before any test runs
-    one, so each engine's count of compilations since its warm-up covers only the tests' steps."""
+    one, so each engine's count of compilations since its warm-up covers only the tests' steps. In float32:
+    token for token and logprob for logprob is float32's promise. In bfloat16 a row's sums may follow the
+    step's shape: a verify step's run of 4 or more rows of one sequence is attended as a prompt's tile, in
+    another order than a decode row, so a logprob may move by a bfloat16 rounding (1.1e-3 measured here when
+    the matmuls, too, still took rows by the step's row count), as vLLM's do with the batch."""
     target, draft = model_dirs
-    return {"target": LLM(target, **BASE), "draft": LLM(target, **BASE, speculative_config=speculative(draft)),
-            "self": LLM(target, **BASE, speculative_config=speculative(target))}
+    exact = BASE | {"dtype": "float32"}
+    return {"target": LLM(target, **exact), "draft": LLM(target, **exact, speculative_config=speculative(draft)),
+            "self": LLM(target, **exact, speculative_config=speculative(target))}
 
 
 def _prompts() -> list[list[int]]:
@@ -247,7 +252,7 @@ def test_the_draft_pool_takes_half_the_memory_the_target_left(engines, model_dir
     gpu_memory_utilization grants), the draft's pool takes half of what its weights leave of it."""
     _, draft_dir = model_dirs
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(load_model(draft_dir, "float32").params))
-    draft_runner = engines["draft"].engine.proposer.runner  # its pages: float32, or bfloat16 where dtype auto chose it
+    draft_runner = engines["draft"].engine.proposer.runner  # its pages: float32
     page_bytes = draft_runner.model_cfg.kv_bytes_per_token(draft_runner.cfg.kv_cache_dtype) * PAGE_SIZE
     monkeypatch.setattr(draft_model, "free_device_bytes", lambda: weight_bytes + 2 * 40 * page_bytes)
     target = engines["target"].engine

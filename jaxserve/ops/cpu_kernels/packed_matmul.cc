@@ -52,12 +52,12 @@
 // 48 columns is three 16 x 16 accumulator tiles; per 32 k (bfloat16) or 64 k (int8) one x tile and three
 // weight tiles are loaded and three tdpbf16ps (tdpbsud: signed x, unsigned w) issued. int8 sums are
 // stored and scaled group by group, so the tile unit takes int8 only where a group is whole tiles of
-// 64 k (packed_matmul.int8_group picks such groups on an AMX CPU). bfloat16's last block may be 4-15
-// rows (tiles configured that short): decode at batch 8 is then bound by the weights' bytes, not by
-// vdpbf16ps's rate. One to three rows, and int8's rows past the last whole block, take the vector code
-// above (`kMinAmxRows`). The process asks Linux for the tile state once
-// (arch_prctl); where it is refused, or JaxserveSetAmx(0) turned it off (tests compare both paths), the
-// vector code does all.
+// 64 k (packed_matmul.int8_group picks such groups on an AMX CPU). bfloat16's last block may be 1-15
+// rows (tiles configured that short), so where K is a multiple of 32 every bfloat16 row takes the tiles
+// (decode at batch 8 is then bound by the weights' bytes, not by vdpbf16ps's rate); int8's rows past
+// the last whole block take the vector code above, whose sums equal the tiles' (`kMinAmxRows`). The
+// process asks Linux for the tile state once (arch_prctl); where it is refused, or JaxserveSetAmx(0)
+// turned it off (tests compare both paths), the vector code does all.
 
 #include <algorithm>
 #include <atomic>
@@ -278,12 +278,14 @@ using jaxserve::ConfigureTiles;
 using jaxserve::kAmxRows;
 static_assert(kPanelWidth == 3 * 16, "a panel is three AMX weight tiles wide");
 
-// The fewest rows worth a block of tiles. bfloat16: 4; at 8 rows the tiles take half the vector code's
-// time (LM head 576 x 49152: 2.25 against 3.76 ms), at 1-3 rows both are bound by the weights' bytes and
-// the vector code is a little faster. int8: whole blocks only; at 2-8 rows VNNI's vpdpbusd beats the tiles,
-// whose int32 sums are stored and scaled every group (LM head, 8 rows: 1.14 against 1.43 ms).
+// The fewest rows that take the tiles. bfloat16: one, so that every row of a call takes them and a row's
+// result never depends on how many rows its step has (batch invariance); at 8 rows the tiles take half the
+// vector code's time (LM head 576 x 49152: 2.25 against 3.76 ms), at 1-3 rows both are bound by the
+// weights' bytes (decode steps within noise of each other). int8: whole blocks only, the rest on the vector
+// code, whose sums are the tiles' bit for bit; at 2-8 rows VNNI's vpdpbusd beats the tiles, whose int32
+// sums are stored and scaled every group (LM head, 8 rows: 1.14 against 1.43 ms).
 template <typename T>
-constexpr int64_t kMinAmxRows = std::is_same_v<T, U8Quads> ? kAmxRows : 4;
+constexpr int64_t kMinAmxRows = std::is_same_v<T, U8Quads> ? kAmxRows : 1;
 
 template <typename T>
 bool UseAmx(const Problem<T>& p) {
@@ -373,7 +375,7 @@ void AmxBlock(const Problem<U8Quads>& p, int64_t row, int64_t panel, float* c, i
   }
 }
 
-// x's rows in blocks of 16, the last block the rest (if it has kMinAmxRows), against panel `panel` (y's
+// x's rows in blocks of 16, the last block the rest (if it has kMinAmxRows rows), against panel `panel` (y's
 // `columns` of it; gated: with its up panel); returns the rows done (0 where the tile unit is not used).
 // `next` is prefetched by the second block, or by the only one.
 template <bool kGated, typename T>
