@@ -177,7 +177,7 @@ def test_bfloat16_packed_matmul_is_the_product_of_the_rounded_operands(m, k, n, 
 def test_a_bfloat16_rows_product_does_not_depend_on_the_rows_beside_it(matmul_path):
     """Every row of a bfloat16 call takes the same instructions (on AMX, the tiles, a block as short as
     one row; elsewhere the vector code), so a row's result is bit for bit the same alone, in a decode
-    batch, or among a prompt's rows: the engine's tokens do not depend on which requests share a step."""
+    batch, or among a prompt's rows: a row's matmuls do not depend on which requests share its step."""
     rng = np.random.default_rng(7)
     x = jnp.asarray(rng.standard_normal((40, 576), np.float32))
     packed = jax.device_put(PackedWeight.pack(rng.standard_normal((576, 960), np.float32), dtype=jnp.bfloat16))

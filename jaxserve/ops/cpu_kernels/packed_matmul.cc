@@ -375,9 +375,9 @@ void AmxBlock(const Problem<U8Quads>& p, int64_t row, int64_t panel, float* c, i
   }
 }
 
-// x's rows in blocks of 16, the last block the rest (if it has kMinAmxRows rows), against panel `panel` (y's
-// `columns` of it; gated: with its up panel); returns the rows done (0 where the tile unit is not used).
-// `next` is prefetched by the second block, or by the only one.
+// x's rows in blocks of 16, the last block the rest (if it has kMinAmxRows rows), against panel `panel`
+// (y's `columns` of it; gated: with its up panel); returns the rows done (0 where the tile unit is not
+// used). `next` is prefetched by the second block, or by the only one.
 template <bool kGated, typename T>
 int64_t AmxRows(const Problem<T>& p, int64_t panel, int64_t columns, int64_t next) {
   if (!UseAmx(p)) return 0;
