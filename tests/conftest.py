@@ -62,8 +62,8 @@ def default_llm():
 
 @pytest.fixture(params=["amx", "vector"])
 def matmul_path(request):
-    """The C++ bfloat16 and int8 matmuls on AMX tiles (whole blocks of 16 rows, on a CPU with AMX; skipped
-    elsewhere) and on the vector code alone."""
+    """The C++ bfloat16 and int8 matmuls on AMX tiles (bfloat16: every row; int8: whole blocks of 16 rows; on
+    a CPU with AMX, skipped elsewhere) and on the vector code alone."""
     from jaxserve.ops import cpu_ffi
 
     if request.param == "amx" and not cpu_ffi.amx_available():

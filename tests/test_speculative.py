@@ -46,9 +46,10 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def engines(request, model_dir) -> tuple[LLM, LLM]:
     """(speculation off, prompt lookup on), each fresh, in float32: token for token and logprob for logprob
-    is float32's promise. In bfloat16 on an AMX CPU a row's matmul sums take the tiles' order in a step of
-    16 rows or more and the vector code's otherwise, and verifying drafts changes a step's rows, so a
-    logprob may move by a bfloat16 rounding (measured: 5e-3), as vLLM's do with the batch."""
+    is float32's promise. In bfloat16 a row's sums may follow the step's shape (a verify step's run of 4 or
+    more rows of one sequence is attended as a prompt's tile; until every bfloat16 matmul row took the AMX
+    tiles, the matmuls too followed the step's row count), so a logprob may move by a bfloat16 rounding
+    (measured: 5e-3), as vLLM's do with the batch."""
     config = dict(CONFIGS[request.param], **WIDE, dtype="float32")
     return LLM(model_dir[0], **config), LLM(model_dir[0], **config, speculative_config=NGRAM)
 

@@ -283,9 +283,9 @@ def _build_and_register() -> str | None:
 
 
 def amx_available() -> bool:
-    """Whether the bfloat16 and int8 matmuls can multiply blocks of 16 rows or more on AMX tiles: kernels
-    built for a CPU with AMX-BF16 and AMX-INT8 (Intel Xeon since Sapphire Rapids), and Linux granting the
-    tile state. False where the kernels are not built."""
+    """Whether the bfloat16 and int8 matmuls can multiply their rows on AMX tiles (bfloat16: every row; int8:
+    whole blocks of 16): kernels built for a CPU with AMX-BF16 and AMX-INT8 (Intel Xeon since Sapphire
+    Rapids), and Linux granting the tile state. False where the kernels are not built."""
     return kernel_error() is None and _library is not None and bool(_library.JaxserveAmxAvailable())
 
 

@@ -652,8 +652,7 @@ ffi::Error MatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 
 extern "C" int JaxservePackedMatmulPanelWidth() { return kPanelWidth; }
 
-// Whether bfloat16 and int8 matmuls of 16 rows or more may use AMX tiles (1: yes, where the CPU and OS
-// allow).
+// Whether bfloat16 and int8 matmuls may use AMX tiles (1: yes, where the CPU and OS allow).
 extern "C" void JaxserveSetAmx(int enabled) { amx_wanted.store(enabled != 0); }
 
 // Whether they can: built for AMX-BF16 and AMX-INT8, and the tile state granted.
