@@ -207,6 +207,18 @@ struct Scratch {
   std::vector<float> tile_queries, tile_scores, tile_inv_sums;  // AttendTile's
   std::vector<const void*> key_rows, value_rows;  // a tile's [D] rows, of Page elements
   std::vector<uint32_t> query_pairs, key_pairs, weight_pairs, value_pairs;  // TileBf16's
+  // The tiles of a job share their keys (see AttendTiles): the rows above and their bfloat16 pairs
+  // hold the keys from `lo` of one sequence's KV head, the first `*_valid` of them real (past those,
+  // a tile's padding). A tile of the same sequence, head and lo only adds the keys past them.
+  int64_t table_row = -1, kv_head = -1, lo = -1;
+  int64_t rows_valid = 0, key_pairs_valid = 0, value_pairs_valid = 0;  // keys; keys; pairs of keys
+
+  // Forgets what it holds unless it holds these keys.
+  void Keep(int64_t new_table_row, int64_t new_kv_head, int64_t new_lo) {
+    if (new_table_row == table_row && new_kv_head == kv_head && new_lo == lo) return;
+    table_row = new_table_row, kv_head = new_kv_head, lo = new_lo;
+    rows_valid = key_pairs_valid = value_pairs_valid = 0;
+  }
 };
 
 // The keys start..kv_len-1 of one row, page by page through its block table.
@@ -642,7 +654,7 @@ struct TileBf16 {
     });
     auto& keys = scratch.key_pairs;  // [padded, D / 2]
     keys.resize(padded * kHalfD);
-    for (int64_t i = 0; i < padded; ++i) {
+    for (int64_t i = scratch.key_pairs_valid; i < padded; ++i) {
       const Page* key = static_cast<const Page*>(scratch.key_rows[i]);
       for (int64_t e = 0; e < kHalfD; e += kLanes) {
         // lanes e..e+15 pair the key's elements 2e..2e+31: evens and odds of two vectors
@@ -673,6 +685,25 @@ struct TileBf16 {
     }
   }
 
+  // values [rows, D] pairs: pair i the values of keys 2i and 2i + 1, zero past key count - 1. Only the
+  // pairs past those the tile before left whole are written (see Scratch::Keep).
+  template <typename Page>
+  static void ValuePairs(int64_t count, int64_t rows, Scratch& scratch) {
+    auto& values = scratch.value_pairs;
+    values.resize(rows * D);
+    for (int64_t i = scratch.value_pairs_valid; i < rows; ++i) {
+      const bool even = 2 * i < count, odd = 2 * i + 1 < count;
+      const Page* even_row = even ? static_cast<const Page*>(scratch.value_rows[2 * i]) : nullptr;
+      const Page* odd_row = odd ? static_cast<const Page*>(scratch.value_rows[2 * i + 1]) : nullptr;
+      for (int dv = 0; dv < DV; ++dv) {
+        const Vec first = even_row ? Load(even_row + dv * kLanes) : Vec{};
+        const Vec next = odd_row ? Load(odd_row + dv * kLanes) : Vec{};
+        StorePairs(values.data() + i * D + dv * kLanes, Pairs(first, next));
+      }
+    }
+    scratch.value_pairs_valid = count / 2;
+  }
+
   // out = weights^T . values for the tile's lanes, R at a time, from rounded weights (the softmax's
   // numerators in tile_scores) and values; an odd last key pairs with a zero.
   template <int R, typename Page>
@@ -688,19 +719,13 @@ struct TileBf16 {
     auto& weights = scratch.weight_pairs;  // [pairs, kTileLanes]
     auto& values = scratch.value_pairs;    // [pairs, D]
     weights.resize(pairs * kTileLanes);
-    values.resize(pairs * D);
+    ValuePairs<Page>(count, pairs, scratch);
     for (int64_t i = 0; i < pairs; ++i) {
       const bool odd = 2 * i + 1 < count;
       for (int v = 0; v < kTileVectors; ++v) {
         const Vec even = Load(scores + 2 * i * kTileLanes + v * kLanes);
         const Vec next = odd ? Load(scores + (2 * i + 1) * kTileLanes + v * kLanes) : Vec{};
         StorePairs(weights.data() + i * kTileLanes + v * kLanes, Pairs(even, next));
-      }
-      const Page* even_row = static_cast<const Page*>(scratch.value_rows[2 * i]);
-      const Page* odd_row = odd ? static_cast<const Page*>(scratch.value_rows[2 * i + 1]) : nullptr;
-      for (int dv = 0; dv < DV; ++dv) {
-        const Vec next = odd_row ? Load(odd_row + dv * kLanes) : Vec{};
-        StorePairs(values.data() + i * D + dv * kLanes, Pairs(Load(even_row + dv * kLanes), next));
       }
     }
     for (int64_t lane0 = 0; lane0 < job.tokens * p.group; lane0 += R) {
@@ -754,7 +779,7 @@ struct TileBf16 {
     auto& weights = scratch.weight_pairs;  // [kTileLanes, whole]
     auto& values = scratch.value_pairs;    // [whole, D]
     weights.assign(kTileLanes * whole, 0u);
-    values.assign(whole * D, 0u);
+    ValuePairs<Page>(count, whole, scratch);
     for (int64_t i = 0; i < pairs; ++i) {
       const bool odd = 2 * i + 1 < count;
       for (int v = 0; v < kTileVectors; ++v) {
@@ -762,12 +787,6 @@ struct TileBf16 {
         const Vec next = odd ? Load(scores + (2 * i + 1) * kTileLanes + v * kLanes) : Vec{};
         const PairVec pair = Pairs(even, next);
         for (int l = 0; l < kLanes; ++l) weights[(v * kLanes + l) * whole + i] = pair[l];
-      }
-      const Page* even_row = static_cast<const Page*>(scratch.value_rows[2 * i]);
-      const Page* odd_row = odd ? static_cast<const Page*>(scratch.value_rows[2 * i + 1]) : nullptr;
-      for (int dv = 0; dv < DV; ++dv) {
-        const Vec next = odd_row ? Load(odd_row + dv * kLanes) : Vec{};
-        StorePairs(values.data() + i * D + dv * kLanes, Pairs(Load(even_row + dv * kLanes), next));
       }
     }
     constexpr int64_t kWeightStride = sizeof(uint32_t), kValueStride = D * sizeof(uint32_t);
@@ -837,20 +856,23 @@ void AttendTile(const Problem<Page>& p, const TileJob& job, Scratch& scratch) {
   const int64_t padded = (count + key_tile - 1) / key_tile * key_tile;
   const int64_t table_row = std::clamp<int64_t>(p.row_seqs[job.first_row], 0, p.num_table_rows - 1);
   const int32_t* table = p.tables + table_row * p.table_width;
-  const RowKeys<Page> keys{p, table, lo, last_kv_len};
   auto& key_rows = scratch.key_rows;
   auto& value_rows = scratch.value_rows;
+  scratch.Keep(table_row, job.kv_head, lo);
   key_rows.resize(padded);
   value_rows.resize(padded);
-  const int64_t head_offset = job.kv_head * D;
-  keys.ForEach(p.k, [&](int64_t i, const Page* rows) { key_rows[i] = rows + head_offset; });
-  keys.ForEach(p.v, [&](int64_t i, const Page* rows) { value_rows[i] = rows + head_offset; });
+  const int64_t head_offset = job.kv_head * D, known = scratch.rows_valid;
+  const RowKeys<Page> new_keys{p, table, lo + known, last_kv_len};
+  new_keys.ForEach(p.k, [&](int64_t i, const Page* rows) { key_rows[known + i] = rows + head_offset; });
+  new_keys.ForEach(p.v, [&](int64_t i, const Page* rows) { value_rows[known + i] = rows + head_offset; });
   for (int64_t i = count; i < padded; ++i) key_rows[i] = key_rows[count - 1];  // scored, never weighted
+  scratch.rows_valid = count;
 
   auto& scores = scratch.tile_scores;  // [padded keys, kTileLanes]
   scores.resize(padded * kTileLanes);
   if (kBf16Products && p.bf16_products) {
     TileBf16<DV>::Scores(p, job, padded, scratch, amx);
+    scratch.key_pairs_valid = count;
   } else {
     TileScores<DV>(p, job, padded, scratch);
   }
@@ -914,6 +936,16 @@ void AttendTile(const Problem<Page>& p, const TileJob& job, Scratch& scratch) {
   }
 }
 
+// A job of several tiles of one sequence and KV head, in order: each tile converts only the keys and
+// values the tile before did not reach (Scratch::Keep).
+template <typename Page, int DV, int R>
+void AttendTiles(const Problem<Page>& p, const TileJob& job, Scratch& scratch) {
+  const int64_t tile_tokens = kTileLanes / p.group;
+  for (int64_t t = 0; t < job.tokens; t += tile_tokens) {
+    AttendTile<Page, DV, R>(p, {job.first_row + t, std::min(tile_tokens, job.tokens - t), job.kv_head}, scratch);
+  }
+}
+
 template <typename Page>
 using TileFn = void (*)(const Problem<Page>&, const TileJob&, Scratch&);
 
@@ -923,31 +955,48 @@ template <typename Page>
 TileFn<Page> TileFor(int64_t head_dim, int64_t group) {
   if (head_dim % kLanes != 0 || group < 1 || group * kMinTileTokens > kTileLanes) return nullptr;
   switch (head_dim / kLanes) {
-    case 2: return &AttendTile<Page, 2, std::min(8, kLanes)>;
-    case 4: return &AttendTile<Page, 4, 4>;
-    case 8: return &AttendTile<Page, 8, 2>;
+    case 2: return &AttendTiles<Page, 2, std::min(8, kLanes)>;
+    case 4: return &AttendTiles<Page, 4, 4>;
+    case 8: return &AttendTiles<Page, 8, 2>;
     default: return nullptr;
   }
 }
 
 // The step's work: runs of at least kMinTileTokens rows of one sequence at consecutive positions
-// split into tiles (one job per tile and KV head), every other row on its own.
+// split into tiles, every other row on its own. A job takes up to kMaxJobTiles consecutive tiles of one
+// KV head (AttendTiles), fewer where that leaves under kJobsPerThread jobs for each of `threads`; a
+// run's later jobs, which attend to more keys, come first, and the single rows last.
+constexpr int64_t kMaxJobTiles = 8, kJobsPerThread = 4;
+
 template <typename Page>
-std::vector<TileJob> Jobs(const Problem<Page>& p, int64_t num_rows, bool tiles) {
-  std::vector<TileJob> jobs, singles;
+std::vector<TileJob> Jobs(const Problem<Page>& p, int64_t num_rows, bool tiles, int64_t threads) {
   const int64_t tile_tokens = kTileLanes / p.group, num_kv_heads = p.num_heads / p.group;
+  std::vector<std::pair<int64_t, int64_t>> runs;  // [first row, end) of the rows that go in tiles
+  std::vector<TileJob> jobs, singles;
+  int64_t num_tiles = 0;
   for (int64_t row = 0; row < num_rows;) {
     int64_t end = row + 1;
     while (tiles && end < num_rows && p.row_seqs[end] == p.row_seqs[row] && p.kv_lens[row] > 0 &&
            p.kv_lens[end] == p.kv_lens[end - 1] + 1) {
       ++end;
     }
-    for (int64_t tokens; (tokens = std::min(tile_tokens, end - row)) >= kMinTileTokens; row += tokens) {
-      for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) jobs.push_back({row, tokens, kv_head});
-    }
-    for (; row < end; ++row) singles.push_back({row, 1, -1});
+    const int64_t rest = (end - row) % tile_tokens;
+    const int64_t tiled = end - row - (rest < kMinTileTokens ? rest : 0);
+    if (tiled > 0) runs.emplace_back(row, row + tiled);
+    num_tiles += (tiled + tile_tokens - 1) / tile_tokens;
+    for (row += tiled; row < end; ++row) singles.push_back({row, 1, -1});
   }
-  jobs.insert(jobs.end(), singles.begin(), singles.end());  // the larger jobs first
+  const int64_t wanted = std::max<int64_t>(threads, 1) * kJobsPerThread;
+  const int64_t job_tiles = std::clamp<int64_t>(num_tiles * num_kv_heads / wanted, 1, kMaxJobTiles);
+  const int64_t job_tokens = job_tiles * tile_tokens;
+  for (const auto& [first, end] : runs) {
+    for (int64_t start = first + (end - first - 1) / job_tokens * job_tokens; start >= first; start -= job_tokens) {
+      for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+        jobs.push_back({start, std::min(job_tokens, end - start), kv_head});
+      }
+    }
+  }
+  jobs.insert(jobs.end(), singles.begin(), singles.end());
   return jobs;
 }
 
@@ -1017,7 +1066,7 @@ ffi::Error PagedRowAttention(ffi::ThreadPool pool,
                         num_kv_heads * head_dim, block_tables.dimensions()[1], sliding_window.typed_data()[0],
                         scale, soft_cap, bf16_products != 0};
   const TileFn<Page> tile = TileFor<Page>(head_dim, problem.group);
-  auto jobs = std::make_shared<const std::vector<TileJob>>(Jobs(problem, num_rows, tile != nullptr));
+  auto jobs = std::make_shared<const std::vector<TileJob>>(Jobs(problem, num_rows, tile != nullptr, pool.num_threads()));
   jaxserve::ParallelFor(pool, jobs->size(), [problem, tile, jobs] {
     return [problem, tile, jobs, scratch = Scratch()](int64_t i) mutable {
       const TileJob& job = (*jobs)[i];
