@@ -768,6 +768,29 @@ struct TileBf16 {
     _tile_release();
   }
 
+  // rows[0..15], a 16 x 16 matrix of 32-bit lanes, transposed in place: round B swaps bit B of the
+  // row and the lane index of every element where they differ, by two-input shuffles (vpermt2d).
+  template <int B, int... L>
+  static void SwapBit(PairVec& a, PairVec& b, std::integer_sequence<int, L...>) {
+    const PairVec low = __builtin_shufflevector(a, b, ((L & B) ? 16 + L - B : L)...);
+    const PairVec high = __builtin_shufflevector(a, b, ((L & B) ? 16 + L : L + B)...);
+    a = low;
+    b = high;
+  }
+  template <int B>
+  static void TransposeRound(PairVec (&rows)[16]) {
+    for (int r = 0; r < 16; ++r) {
+      if (!(r & B)) SwapBit<B>(rows[r], rows[r + B], std::make_integer_sequence<int, 16>());
+    }
+  }
+  static void Transpose(PairVec (&rows)[16]) {
+    static_assert(kLanes == 16, "AMX tiles come with AVX-512");
+    TransposeRound<8>(rows);
+    TransposeRound<4>(rows);
+    TransposeRound<2>(rows);
+    TransposeRound<1>(rows);
+  }
+
   // The weighted sum on AMX tiles: the weights transposed to [kTileLanes, pairs] (A: 16 lanes by 16 pairs
   // of keys a tile), the values [pairs, D] (B: 16 pairs by 16 of D), both zero past the last pair to a
   // whole tile; out [16 lanes, D] per row of lane tiles, 4 accumulator tiles of 16 of D at a time.
@@ -778,15 +801,20 @@ struct TileBf16 {
     const float* scores = scratch.tile_scores.data();
     auto& weights = scratch.weight_pairs;  // [kTileLanes, whole]
     auto& values = scratch.value_pairs;    // [whole, D]
-    weights.assign(kTileLanes * whole, 0u);
+    weights.resize(kTileLanes * whole);
     ValuePairs<Page>(count, whole, scratch);
-    for (int64_t i = 0; i < pairs; ++i) {
-      const bool odd = 2 * i + 1 < count;
+    for (int64_t i0 = 0; i0 < whole; i0 += kTile) {  // 16 pairs of 16 lanes at a time, transposed
       for (int v = 0; v < kTileVectors; ++v) {
-        const Vec even = Load(scores + 2 * i * kTileLanes + v * kLanes);
-        const Vec next = odd ? Load(scores + (2 * i + 1) * kTileLanes + v * kLanes) : Vec{};
-        const PairVec pair = Pairs(even, next);
-        for (int l = 0; l < kLanes; ++l) weights[(v * kLanes + l) * whole + i] = pair[l];
+        PairVec block[kTile];
+        for (int64_t j = 0; j < kTile; ++j) {
+          const int64_t i = i0 + j;
+          const bool odd = 2 * i + 1 < count;
+          const Vec even = i < pairs ? Load(scores + 2 * i * kTileLanes + v * kLanes) : Vec{};
+          const Vec next = odd ? Load(scores + (2 * i + 1) * kTileLanes + v * kLanes) : Vec{};
+          block[j] = Pairs(even, next);
+        }
+        Transpose(block);
+        for (int64_t l = 0; l < kTile; ++l) StorePairs(weights.data() + (v * kLanes + l) * whole + i0, block[l]);
       }
     }
     constexpr int64_t kWeightStride = sizeof(uint32_t), kValueStride = D * sizeof(uint32_t);
