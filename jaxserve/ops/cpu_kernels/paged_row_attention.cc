@@ -8,7 +8,8 @@
 // row read straight from its page; common shapes go one KV head at a time (AttendGrouped). The rows
 // of a prompt chunk (one sequence at consecutive positions) share their keys: they go in tiles of
 // several tokens, one KV head at a time, as two small matrix products (AttendTile), so each key and
-// value is loaded once per tile rather than once per row. Needs GCC 12+ or clang
+// value is loaded once per tile rather than once per row; a job takes several consecutive tiles of one
+// KV head (AttendTiles), which share the keys and values they have converted. Needs GCC 12+ or clang
 // (__builtin_shufflevector); with an older compiler the build fails and the engine keeps XLA.
 // XLA's gather-based version (attention.py) copies every page first, on one thread.
 //
