@@ -210,7 +210,9 @@ struct Scratch {
   std::vector<uint32_t> query_pairs, key_pairs, weight_pairs, value_pairs;  // TileBf16's
   // The tiles of a job share their keys (see AttendTiles): the rows above and their bfloat16 pairs
   // hold the keys from `lo` of one sequence's KV head, the first `*_valid` of them real (past those,
-  // a tile's padding). A tile of the same sequence, head and lo only adds the keys past them.
+  // a tile's padding). A tile of the same sequence, head and lo only adds the keys past them. They may
+  // hold more keys than a tile needs (a later job of its run ran first on this thread): a tile masks
+  // the scores past its own keys, and their softmax weights are zero, so the values there add nothing.
   int64_t table_row = -1, kv_head = -1, lo = -1;
   int64_t rows_valid = 0, key_pairs_valid = 0, value_pairs_valid = 0;  // keys; keys; pairs of keys
 
@@ -793,8 +795,9 @@ struct TileBf16 {
   }
 
   // The weighted sum on AMX tiles: the weights transposed to [kTileLanes, pairs] (A: 16 lanes by 16 pairs
-  // of keys a tile), the values [pairs, D] (B: 16 pairs by 16 of D), both zero past the last pair to a
-  // whole tile; out [16 lanes, D] per row of lane tiles, 4 accumulator tiles of 16 of D at a time.
+  // of keys a tile), the values [pairs, D] (B: 16 pairs by 16 of D), to a whole tile (the weights zero
+  // past the last key, so whatever values lie there add nothing); out [16 lanes, D] per row of lane
+  // tiles, 4 accumulator tiles of 16 of D at a time.
   template <typename Page>
   static void AmxWeightedSum(const Problem<Page>& p, const TileJob& job, int64_t count, Scratch& scratch) {
     constexpr int64_t kTile = jaxserve::kAmxRows;
