@@ -50,7 +50,9 @@
 // 32-bit lane per column holding two bfloat16 or four int8 consecutive k, 16 columns = one 64-byte tile
 // row), and x [M, K] (bfloat16, or the quantized int8) is its A operand as it lies. A block of 16 rows x
 // 48 columns is three 16 x 16 accumulator tiles; per 32 k (bfloat16) or 64 k (int8) one x tile and three
-// weight tiles are loaded and three tdpbf16ps (tdpbsud: signed x, unsigned w) issued. int8 sums are
+// weight tiles are loaded and three tdpbf16ps (tdpbsud: signed x, unsigned w) issued; bfloat16 takes two
+// whole blocks at a time where it can (`AmxPair`: six accumulators, each weight tile loaded once for 32
+// rows, the same sums bit for bit). int8 sums are
 // stored and scaled group by group, so the tile unit takes int8 only where a group is whole tiles of
 // 64 k (packed_matmul.int8_group picks such groups on an AMX CPU). bfloat16's last block may be 1-15
 // rows (tiles configured that short), so where K is a multiple of 32 every bfloat16 row takes the tiles
@@ -348,6 +350,49 @@ void AmxBlock(const Problem<Bf16Pairs>& p, int64_t row, int64_t panel, float* c,
   StoreTiles(c, stride);
 }
 
+// Two whole blocks at once (bfloat16): c[32, kPanelWidth] = rows row..row + 31 of x . `panel`, in six
+// accumulator tiles (0-2 the first block's, 3-5 the second's), x's tiles and the panel's loaded in turn
+// into tiles 6 and 7. Per 32 k the panel's three tiles are loaded once for 32 rows (AmxBlock: for 16), and
+// a reload of x's tile just loaded (L1) replaces a weight tile from L2. Each accumulator takes the same
+// tdpbf16ps in the same k order as in AmxBlock, so the sums are AmxBlock's bit for bit. The tiles
+// configured for 16 rows.
+void AmxPair(const Problem<Bf16Pairs>& p, int64_t row, int64_t panel, float* c, int64_t stride,
+             const uint32_t* prefetch) {
+  const uint32_t* x0 = p.x + row * p.steps;
+  const uint32_t* x1 = x0 + kAmxRows * p.steps;
+  const uint32_t* w = p.panel(panel);
+  const int64_t x_stride = p.steps * sizeof(uint32_t), w_stride = kPanelWidth * sizeof(uint32_t);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_zero(4);
+  _tile_zero(5);
+  for (int64_t k = 0; k < p.steps; k += kAmxRows) {
+    PrefetchTileRows(prefetch, k);
+    for (int line = 0; line < kAmxRows * kPanelWidth / 16; ++line)  // the next step's weight rows, as AmxStep
+      __builtin_prefetch(w + (k + kAmxRows) * kPanelWidth + line * 16, 0, 3);
+    const uint32_t* wk = w + k * kPanelWidth;
+    _tile_loadd(6, x0 + k, x_stride);
+    _tile_loadd(7, wk, w_stride);
+    _tile_dpbf16ps(0, 6, 7);
+    _tile_loadd(6, x1 + k, x_stride);
+    _tile_dpbf16ps(3, 6, 7);
+    _tile_loadd(7, wk + 16, w_stride);
+    _tile_dpbf16ps(4, 6, 7);
+    _tile_loadd(6, x0 + k, x_stride);
+    _tile_dpbf16ps(1, 6, 7);
+    _tile_loadd(7, wk + 32, w_stride);
+    _tile_dpbf16ps(2, 6, 7);
+    _tile_loadd(6, x1 + k, x_stride);
+    _tile_dpbf16ps(5, 6, 7);
+  }
+  StoreTiles(c, stride);
+  _tile_stored(3, c + kAmxRows * stride, stride * 4);
+  _tile_stored(4, c + kAmxRows * stride + 16, stride * 4);
+  _tile_stored(5, c + kAmxRows * stride + 32, stride * 4);
+}
+
 // int8: group by group, each group's int32 sums stored and scaled into c by the rows' group scales.
 void AmxBlock(const Problem<U8Quads>& p, int64_t row, int64_t panel, float* c, int64_t stride,
               const uint32_t* prefetch, int rows) {
@@ -377,24 +422,35 @@ void AmxBlock(const Problem<U8Quads>& p, int64_t row, int64_t panel, float* c, i
 
 // x's rows in blocks of 16, the last block the rest (if it has kMinAmxRows rows), against panel `panel`
 // (y's `columns` of it; gated: with its up panel); returns the rows done (0 where the tile unit is not
-// used). `next` is prefetched by the second block, or by the only one.
+// used). bfloat16 takes two whole blocks at a time where it can (AmxPair). `next` is prefetched by the pass
+// that holds the second block, or by the only one.
 template <bool kGated, typename T>
 int64_t AmxRows(const Problem<T>& p, int64_t panel, int64_t columns, int64_t next) {
   if (!UseAmx(p)) return 0;
-  alignas(64) float gate[kAmxRows * kPanelWidth], up[kAmxRows * kPanelWidth];
+  constexpr int64_t kMaxPass = std::is_same_v<T, Bf16Pairs> ? 2 * kAmxRows : kAmxRows;  // rows a pass
+  alignas(64) float gate[kMaxPass * kPanelWidth], up[kMaxPass * kPanelWidth];
   const int64_t done = p.m % kAmxRows >= kMinAmxRows<T> ? p.m : p.m / kAmxRows * kAmxRows;
-  const int64_t blocks = (done + kAmxRows - 1) / kAmxRows, prefetching = std::min<int64_t>(1, blocks - 1);
+  const int64_t blocks = (done + kAmxRows - 1) / kAmxRows;
+  const int64_t prefetching = std::min<int64_t>(1, blocks - 1) * kAmxRows;  // the row its pass holds
   const int64_t up_offset = kGated ? p.panels / 2 : 0;
   int configured = 0;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t row = b * kAmxRows;
-    const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, done - row));
+  for (int64_t row = 0; row < done;) {
+    const int64_t pass = done - row >= kMaxPass ? kMaxPass : std::min<int64_t>(kAmxRows, done - row);
+    const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, pass));  // the tiles' rows
     if (rows != configured) ConfigureTiles(configured = rows);
-    const uint32_t* prefetch = b == prefetching && next >= 0 ? p.panel(next) : nullptr;
+    const bool prefetches = row <= prefetching && prefetching < row + pass && next >= 0;
+    // rows row..row + pass - 1 of x . panel `of` into c (row stride `stride`), with panel `ahead` prefetched
+    auto multiply = [&](int64_t of, float* c, int64_t stride, int64_t ahead) {
+      const uint32_t* prefetch = prefetches ? p.panel(ahead) : nullptr;
+      if constexpr (std::is_same_v<T, Bf16Pairs>) {
+        if (pass == 2 * kAmxRows) return AmxPair(p, row, of, c, stride, prefetch);
+      }
+      AmxBlock(p, row, of, c, stride, prefetch, rows);
+    };
     if constexpr (kGated) {
-      AmxBlock(p, row, panel, gate, kPanelWidth, prefetch, rows);
-      AmxBlock(p, row, panel + up_offset, up, kPanelWidth, prefetch ? p.panel(next + up_offset) : nullptr, rows);
-      for (int r = 0; r < rows; ++r)
+      multiply(panel, gate, kPanelWidth, next);
+      multiply(panel + up_offset, up, kPanelWidth, next + up_offset);
+      for (int r = 0; r < pass; ++r)
         for (int j = 0; j < kVectors; ++j) {
           const int64_t column = panel * kPanelWidth + j * kLanes;
           StoreGated(p, row, panel, r, j, p.out(Load(gate + r * kPanelWidth + j * kLanes), row + r, column),
@@ -403,18 +459,19 @@ int64_t AmxRows(const Problem<T>& p, int64_t panel, int64_t columns, int64_t nex
     } else {
       float* y = p.y + row * p.n + panel * kPanelWidth;
       if (std::is_same_v<T, Bf16Pairs> && columns == kPanelWidth) {  // the tiles are the output
-        AmxBlock(p, row, panel, y, p.n, prefetch, rows);
-        continue;
-      }
-      AmxBlock(p, row, panel, gate, kPanelWidth, prefetch, rows);
-      for (int r = 0; r < rows; ++r) {
-        alignas(64) float values[kPanelWidth];
-        for (int j = 0; j < kVectors; ++j)
-          Store(values + j * kLanes, p.out(Load(gate + r * kPanelWidth + j * kLanes), row + r,
-                                           panel * kPanelWidth + j * kLanes));
-        std::memcpy(y + r * p.n, values, columns * sizeof(float));
+        multiply(panel, y, p.n, next);
+      } else {
+        multiply(panel, gate, kPanelWidth, next);
+        for (int r = 0; r < pass; ++r) {
+          alignas(64) float values[kPanelWidth];
+          for (int j = 0; j < kVectors; ++j)
+            Store(values + j * kLanes, p.out(Load(gate + r * kPanelWidth + j * kLanes), row + r,
+                                             panel * kPanelWidth + j * kLanes));
+          std::memcpy(y + r * p.n, values, columns * sizeof(float));
+        }
       }
     }
+    row += pass;
   }
   _tile_release();
   amx_blocks.fetch_add(blocks, std::memory_order_relaxed);
