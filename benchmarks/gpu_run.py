@@ -649,6 +649,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="results folder (default $OUT, else benchmarks/results/gpu/latest)")
     parser.add_argument("--deadline-s", type=float, default=None, help="the whole run's limit (default 450; smoke 900)")
     parser.add_argument("--only", nargs="+", choices=list(SECTIONS), default=None)
+    parser.add_argument("--box-s", type=float, default=None,
+                        help="every section's time box (default each one's own): a rerun of one section after a fix")
     parser.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER))
     parser.add_argument("--ceilings-from", default=None, metavar="RESULTS_JSON",
                         help="skip measuring the ceilings: take them from an earlier run's results.json (same card)")
@@ -691,7 +693,7 @@ def main(argv=None) -> int:
             if remaining < 20:
                 sections[name] = {"seconds": 0.0, "error": f"not started: {remaining:.0f} s left of the deadline"}
                 continue
-            box = min(SECTIONS[name][1] * (SMOKE_BOX_FACTOR if args.smoke else 1), remaining)
+            box = min(args.box_s or SECTIONS[name][1] * (SMOKE_BOX_FACTOR if args.smoke else 1), remaining)
             log(f"section {name} (time box {box:.0f} s)")
             sections[name] = run_section(name, args, box, log_file)
             log(f"section {name}: {sections[name].get('error') or 'done'} in {sections[name]['seconds']:.0f} s")

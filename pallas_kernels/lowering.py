@@ -111,3 +111,101 @@ def _register_mosaic_gpu_dialect(context) -> None:
     except ImportError:
         return
     mosaic_gpu_dialect.register_dialect(context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Operands XLA may pass as views: a Mosaic GPU call refuses any buffer not aligned to 256 bytes
+
+MOSAIC_GPU_ALIGNMENT = 256  # bytes: the custom call checks every input and output (jaxlib/mosaic/gpu)
+_PASS_THROUGH = ("stablehlo.reshape", "stablehlo.bitcast_convert")  # a view of their operand, same bytes
+
+
+def _bits(element_type) -> int:
+    element_type = element_type.maybe_downcast() if hasattr(element_type, "maybe_downcast") else element_type
+    width = getattr(element_type, "width", None)
+    if width is None:
+        raise ValueError(f"no bit width for {element_type}")
+    return width
+
+
+def _contiguous_offset(op) -> int | None:
+    """A stablehlo.slice's byte offset into its operand when its elements are one contiguous run of
+    the operand's (row-major) buffer, else None (XLA must copy it into a buffer of its own)."""
+    source = ir.RankedTensorType(op.operands[0].type)
+    starts = list(ir.DenseI64ArrayAttr(op.attributes["start_indices"]))
+    limits = list(ir.DenseI64ArrayAttr(op.attributes["limit_indices"]))
+    strides = list(ir.DenseI64ArrayAttr(op.attributes["strides"]))
+    sizes = [hi - lo for lo, hi in zip(starts, limits)]
+    full, partial_seen = source.shape, False
+    for dim in reversed(range(len(sizes))):  # inner dims whole, then one partial, then only sizes of 1
+        if partial_seen and sizes[dim] != 1:
+            return None
+        if sizes[dim] != full[dim] or strides[dim] != 1:
+            if strides[dim] != 1 and sizes[dim] > 1:
+                return None
+            partial_seen = True
+    offset, row = 0, _bits(source.element_type) // 8
+    for dim in reversed(range(len(sizes))):
+        offset += starts[dim] * row
+        row *= full[dim]
+    return offset
+
+
+def misaligned_views(lowered, alignment: int = MOSAIC_GPU_ALIGNMENT) -> list[str]:
+    """Operands of the program's Mosaic GPU calls that XLA may hand over as a view into another buffer
+    at an offset that is not a multiple of `alignment` bytes; one description each, empty when none.
+
+    XLA:GPU passes a contiguous slice (a row of a [5, S + 1] array, say) to a custom call as the address
+    inside its source rather than copying it, and a Mosaic GPU kernel refuses an input that is not
+    256-byte aligned ("Input buffer 1 is not 256-byte aligned", seen on an H200). Followed back through
+    reshapes and bitcasts, and through a called function's arguments to each call site. A dynamic slice
+    with a contiguous result is reported too: its offset is known only when it runs."""
+    module = lowered.compiler_ir("stablehlo").operation
+    functions, calls = {}, collections.defaultdict(list)
+
+    def index(op):
+        for region in op.regions:
+            for block in region:
+                for child in block:
+                    if child.name == "func.func":
+                        functions[ir.StringAttr(child.attributes["sym_name"]).value] = child
+                    elif child.name == "func.call":
+                        calls[ir.FlatSymbolRefAttr(child.attributes["callee"]).value].append(child)
+                    index(child)
+
+    index(module)
+    found = []
+
+    def sources(value, seen):
+        """The ops whose results `value` may be (through pass-through ops and function arguments)."""
+        value = value.maybe_downcast() if hasattr(value, "maybe_downcast") else value
+        if isinstance(value, ir.BlockArgument):
+            arg = value
+            parent = arg.owner.owner.operation
+            if parent.name != "func.func":
+                return
+            name = ir.StringAttr(parent.attributes["sym_name"]).value
+            for call in calls.get(name, ()):
+                if (id(call), arg.arg_number) not in seen:
+                    seen.add((id(call), arg.arg_number))
+                    yield from sources(call.operands[arg.arg_number], seen)
+            return
+        op = value.owner.operation
+        if op.name in _PASS_THROUGH:
+            yield from sources(op.operands[0], seen)
+        else:
+            yield op
+
+    for call in _custom_calls(lowered):
+        if ir.StringAttr(call.attributes["call_target_name"]).value != MOSAIC_GPU_TARGET:
+            continue
+        for i, operand in enumerate(call.operands):
+            for op in sources(operand, set()):
+                if op.name == "stablehlo.slice":
+                    offset = _contiguous_offset(op)
+                    if offset is not None and offset % alignment:
+                        found.append(f"input {i}: a contiguous slice at byte offset {offset} of "
+                                     f"{op.operands[0].type}")
+                elif op.name == "stablehlo.dynamic_slice":
+                    found.append(f"input {i}: a dynamic slice of {op.operands[0].type} (offset unknown)")
+    return sorted(set(found))

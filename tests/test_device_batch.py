@@ -175,8 +175,8 @@ def test_a_step_hands_its_executable_two_host_arrays(ample):
     for ((kind, bucket), packed), (_, inputs) in zip(calls, steps):
         tokens, seqs = packed
         assert isinstance(tokens, np.ndarray) and isinstance(seqs, np.ndarray)
-        assert tokens.dtype == seqs.dtype == np.int32 and tokens.shape == (4, bucket)
-        assert seqs.shape == (5, len(inputs.md.kv_lens) + 1)
+        assert tokens.dtype == seqs.dtype == np.int32 and tokens.shape == (bucket, 4)
+        assert seqs.shape == (len(inputs.md.kv_lens) + 1, 5)
         back = jax.jit(step_inputs.unpack)(tokens, seqs)
         for name in ("token_ids", "positions", "prev_rows", "logits_indices", "req_indices", "samples"):
             np.testing.assert_array_equal(np.asarray(getattr(back, name)), getattr(inputs, name), err_msg=name)

@@ -25,7 +25,7 @@ from jaxserve.tools.check_lowering import check_lowering, format_results
 from jaxserve.config.model_config import ModelConfig, RopeConfig
 from jaxserve.config.engine_config import EngineConfig
 from pallas_kernels.common import COMPUTE_WARPGROUPS
-from pallas_kernels.lowering import mosaic_kernels
+from pallas_kernels.lowering import misaligned_views, mosaic_kernels
 
 PAGE_SIZES = (8, 16, 32, 64, 128, 256)
 GROUPS = (1, 3, 4, 8)
@@ -137,6 +137,37 @@ def _assert_all_lowered_with_kernels(results, backend="pallas", layer_kinds=1):
         for k in r.kernels:
             assert_launch_shape(k)
         assert r.control_flow == {}, f"a CUDA step must not wait on the host for a branch:\n{table}"
+        assert r.misaligned == [], f"a Mosaic GPU call refuses inputs not aligned to 256 bytes:\n{table}"
+
+
+@pytest.mark.parametrize("kernel", [pk.ragged_paged_attention, pk.decode_attention], ids=["ragged", "decode"])
+def test_a_kernel_input_sliced_from_a_row_is_found_and_a_column_is_not(kernel):
+    """XLA:GPU passes a contiguous slice to a custom call as an address inside its source, and the
+    Mosaic GPU call refuses one not aligned to 256 bytes (kv_lens, a row of the step's packed [5, S + 1]
+    int32 array, at byte offset 4 (S + 1): an H200 run of 8742fc2). misaligned_views finds it through
+    the kernel wrapper; a column of [S + 1, 5] (the layout since) is strided, so XLA copies it."""
+    num_seqs, pages = 4, jax.ShapeDtypeStruct((2, 16, 16, 2, 64), jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((16, 4, 64), jnp.bfloat16)
+    tables = jnp.zeros((num_seqs, 4), jnp.int32)
+
+    def rows(q, k, v, seqs):  # kv_lens through jnp.where in the decode wrapper: a fresh buffer
+        return kernel(q, k, v, 0, seqs[0, :num_seqs + 1], seqs[1, :num_seqs], tables, scale=0.125)
+
+    def columns(q, k, v, seqs):
+        return kernel(q, k, v, 0, seqs[:, 0], seqs[:num_seqs, 1], tables, scale=0.125)
+
+    def lower(fn, shape):
+        return jax.jit(fn).trace(q, pages, pages, jax.ShapeDtypeStruct(shape, jnp.int32)).lower(
+            lowering_platforms=("cuda",))
+
+    found = misaligned_views(lower(rows, (5, num_seqs + 1)))
+    if kernel is pk.ragged_paged_attention:
+        assert found == ["input 1: a contiguous slice at byte offset 20 of tensor<5x5xi32>"]
+    else:
+        assert found == []
+    assert misaligned_views(lower(columns, (num_seqs + 1, 5))) == []
+    # a contiguous slice at an aligned offset is passed as a view and is fine: row 1 of [5, 64]
+    assert misaligned_views(lower(rows, (5, 64))) == []
 
 
 def test_tiny_model_step_functions_lower_for_cuda():

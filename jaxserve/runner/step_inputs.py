@@ -70,31 +70,37 @@ class StepInputs(NamedTuple):
 
 
 def pack(inputs: StepInputs) -> tuple[np.ndarray, np.ndarray]:
-    """A step's nine small host arrays as the two its executable takes: per token [4, T] (token_ids,
-    positions, slot_mapping, prev_rows) and per sequence [5, S + 1] (cu_q_lens, then kv_lens,
+    """A step's nine small host arrays as the two its executable takes: per token [T, 4] (token_ids,
+    positions, slot_mapping, prev_rows) and per sequence [S + 1, 5] (cu_q_lens, then kv_lens,
     logits_indices, req_indices, samples, each padded by one). On a GPU every host array an executable
     takes is its own host-to-device copy; the H100's numpy inputs cost about 3 ms a step (11.6 against
-    8.7 ms per replay with the inputs already on the device)."""
+    8.7 ms per replay with the inputs already on the device).
+
+    Fields are columns, not rows: a row of a row-major array is a contiguous run that XLA:GPU hands to a
+    custom call as an address inside the array, and the Pallas kernels' Mosaic GPU calls refuse an input
+    not aligned to 256 bytes (kv_lens, row 1 of a [5, S + 1] array, failed so on an H200). A column is
+    strided, so XLA copies it into an aligned buffer of its own (`pallas_kernels.lowering.misaligned_views`
+    checks the lowered steps)."""
     md, num_seqs = inputs.md, len(inputs.md.kv_lens)
-    tokens = np.stack([inputs.token_ids, inputs.positions, md.slot_mapping, inputs.prev_rows]).astype(np.int32)
-    seqs = np.zeros((5, num_seqs + 1), np.int32)
-    seqs[0] = md.cu_q_lens
-    for row, values in enumerate((md.kv_lens, inputs.logits_indices, inputs.req_indices, inputs.samples), 1):
-        seqs[row, :num_seqs] = values
-    return tokens, seqs
+    tokens = np.stack([inputs.token_ids, inputs.positions, md.slot_mapping, inputs.prev_rows], axis=1)
+    seqs = np.zeros((num_seqs + 1, 5), np.int32)
+    seqs[:, 0] = md.cu_q_lens
+    for column, values in enumerate((md.kv_lens, inputs.logits_indices, inputs.req_indices, inputs.samples), 1):
+        seqs[:num_seqs, column] = values
+    return tokens.astype(np.int32), seqs
 
 
 def unpack(tokens: jax.Array, seqs: jax.Array) -> StepInputs:
     """`pack`'s inverse, inside the step (sampling and page tables come from the device batch)."""
-    num_seqs = seqs.shape[1] - 1
-    return StepInputs(token_ids=tokens[0], positions=tokens[1],
-                      md=AttentionMetadata(tokens[2], seqs[0], seqs[1, :num_seqs], None),
-                      logits_indices=seqs[2, :num_seqs], sampling=None, prev_rows=tokens[3],
-                      req_indices=seqs[3, :num_seqs], samples=seqs[4, :num_seqs] != 0)
+    num_seqs = seqs.shape[0] - 1
+    return StepInputs(token_ids=tokens[:, 0], positions=tokens[:, 1],
+                      md=AttentionMetadata(tokens[:, 2], seqs[:, 0], seqs[:num_seqs, 1], None),
+                      logits_indices=seqs[:num_seqs, 2], sampling=None, prev_rows=tokens[:, 3],
+                      req_indices=seqs[:num_seqs, 3], samples=seqs[:num_seqs, 4] != 0)
 
 
 def packed_shapes(num_tokens: int, num_seqs: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
-    return jax.ShapeDtypeStruct((4, num_tokens), jnp.int32), jax.ShapeDtypeStruct((5, num_seqs + 1), jnp.int32)
+    return jax.ShapeDtypeStruct((num_tokens, 4), jnp.int32), jax.ShapeDtypeStruct((num_seqs + 1, 5), jnp.int32)
 
 
 class StepInputBuilder:

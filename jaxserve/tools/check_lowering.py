@@ -45,6 +45,7 @@ class LoweringResult:
     control_flow: dict[str, int] = dataclasses.field(default_factory=dict)  # op -> count, outside kernels
     dots: dict[str, int] = dataclasses.field(default_factory=dict)  # "lhs x rhs -> result" element types -> count
     widened: list[str] = dataclasses.field(default_factory=list)  # converts of 8-bit matrices to wider types
+    misaligned: list[str] = dataclasses.field(default_factory=list)  # Mosaic GPU inputs XLA may pass unaligned
     error: str = ""
 
 
@@ -104,7 +105,7 @@ def check_lowering(model_cfg: ModelConfig, engine_cfg: EngineConfig, params=None
     params: shapes (or arrays) in `engine_cfg.dtype`, by default those of models/params.py.
     Raises ValueError (before lowering anything) if an explicit Pallas backend cannot run the model.
     """
-    from pallas_kernels.lowering import custom_call_targets, mosaic_kernels
+    from pallas_kernels.lowering import custom_call_targets, misaligned_views, mosaic_kernels
 
     if platform not in PLATFORMS:
         raise ValueError(f"{platform=} is not one of {sorted(PLATFORMS)}")
@@ -124,6 +125,7 @@ def check_lowering(model_cfg: ModelConfig, engine_cfg: EngineConfig, params=None
                 lowered = runner.lower(kind, bucket, platforms=(platform,))
                 result.custom_calls = dict(custom_call_targets(lowered))
                 result.kernels = mosaic_kernels(lowered)
+                result.misaligned = misaligned_views(lowered)
                 text = lowered.as_text()
                 result.control_flow = control_flow_ops(text)
                 result.dots, result.widened = dot_types(text), widened_matrices(text)
@@ -151,6 +153,8 @@ def format_results(results: list[LoweringResult], platform: str) -> str:
             eight_bit = sum(n for key, n in r.dots.items() if key.split(" x ")[0] in EIGHT_BIT)
             if eight_bit or r.widened:
                 detail += f"; 8-bit dots: {eight_bit}, 8-bit matrices widened: {len(r.widened)}"
+            if r.misaligned:
+                detail += "; kernel inputs XLA may pass unaligned: " + ", ".join(r.misaligned)
         else:
             detail = r.error
         rows.append((r.kind, str(r.bucket), r.attention_backend, "ok" if r.ok else "FAILED", f"{r.seconds:.1f}",
