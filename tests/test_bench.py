@@ -302,3 +302,21 @@ def test_server_prints_its_start_up_time_and_cache_state(server):
     total, *parts = map(float, ready.groups()[:4])
     assert all(p > 0 for p in parts) and abs(sum(parts) - total) <= 0.2, ready.group(0)
     assert re.search(r"\d+ executables ready in [\d.]+ s, \d+ from the compilation cache", tail), tail
+
+
+def test_engine_phases_times_whole_batches_when_the_prompts_outlast_the_step_budget(tiny_model_dir):
+    """benchmarks/bench_steps.engine_phases lets every request generate until all have their first token,
+    then times decode steps with the whole batch decoding. Rows already decoding take their share of each
+    step's token budget, so the prompts take more steps than tokens / budget: 32 prompts of 40 tokens at 64
+    tokens a step took 28 steps, not the 20 the full budget counts (an H200 run at batch 128 and 2,000
+    tokens stopped the same way), and the first request must not reach max_tokens inside the timed steps."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    from bench_steps import engine_phases
+
+    from jaxserve import LLM
+
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=32, max_num_batched_tokens=64,
+              num_kv_pages=200, max_model_len=256)
+    prompts = np.random.default_rng(0).integers(3, 250, size=(32, 40))
+    r = engine_phases(llm.engine, prompts, decode_steps=8, async_scheduling=False, device_repeats=1)
+    assert r["decode_steps"] == 8 and r["buckets_run"] == {"decode 32": 8}, r
