@@ -215,6 +215,27 @@ def test_a_step_that_would_be_mostly_padding_takes_a_smaller_prompt_chunk(bucket
     assert prompt.num_computed_tokens + (7 if buckets else 1) == (256 if buckets else 257)
 
 
+def test_a_capped_step_leaves_a_prompt_beside_many_decode_rows_its_whole_chunk():
+    """127 decode rows beside a new 50-token prompt fill a 256-token bucket to 69%: capped at 128, the
+    prompt would get one token a step (the decode rows take 127) and its first token would come 50 steps
+    late (a batch-128 benchmark on an H200 stopped on it). The cap applies only where the tokens it moves
+    fit beside the next step's decode rows, so the prompt goes whole."""
+    cfg = EngineConfig(max_model_len=512, max_num_seqs=128, max_num_batched_tokens=2048, block_size=16)
+    scheduler = Scheduler(cfg, PagePool(1024, 16), prefill_buckets=[16, 32, 64, 128, 256, 512, 1024, 2048])
+    decoders = [_request(f"d{i}", 10, max_tokens=50, first_token=10 * i) for i in range(127)]
+    for request in decoders:
+        scheduler.add_request(request)
+    while not all(r.output_token_ids for r in decoders):  # their prompts (two steps)
+        out = scheduler.schedule()
+        scheduler.advance(out)  # the step was launched
+        scheduler.update_from_output(out, [1] * len(out.scheduled))
+    prompt = _request("p", 50, max_tokens=4, first_token=2000)
+    scheduler.add_request(prompt)
+    out = scheduler.schedule()
+    sizes = {r.request_id: n for r, n in out.scheduled}
+    assert sizes["p"] == 50 and all(sizes[r.request_id] == 1 for r in decoders) and out.num_tokens == 177
+
+
 def test_preemption_frees_pages_and_requeues_the_newest():
     """Out of pages, the most recently admitted request is preempted, its pages freed, requeued first."""
     cfg = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64, block_size=4)

@@ -193,7 +193,10 @@ class Scheduler:
         """max_num_batched_tokens, or the next bucket down when this step's demand would fill less than
         3/4 of its padded bucket: 7 decode rows beside a 256-token prompt would run a 512-token step
         for 263 tokens; capped at 256, the last 7 prompt tokens ride along the next step's decode rows.
-        (The demand is estimated before admission: a prefix-cache hit can only make it smaller.)"""
+        Only where they fit there (the prompt tokens left over plus the decode rows within the smaller
+        bucket): 127 decode rows beside a 50-token prompt, capped at 128, would leave the prompt one token
+        a step for 50 steps. (The demand is estimated before admission: a prefix-cache hit can only make
+        it smaller.)"""
         budget = self.cfg.max_num_batched_tokens
         if prompt_step is False or not self.prefill_buckets:
             return budget
@@ -205,7 +208,8 @@ class Scheduler:
             return budget
         lower, upper = self.prefill_buckets[padded - 1], self.prefill_buckets[padded]
         num_decode_rows = sum(not _needs_prefill(r) for r in running)
-        if demand * 4 < upper * 3 and lower > num_decode_rows and lower >= MIN_CAPPED_BUCKET:
+        left_over = demand - lower  # prompt tokens the cap moves to the next step
+        if demand * 4 < upper * 3 and left_over + num_decode_rows <= lower and lower >= MIN_CAPPED_BUCKET:
             return lower
         return budget
 
