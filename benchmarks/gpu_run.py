@@ -17,6 +17,8 @@ Sections, in the order they run (the most wanted first, as a late one may meet t
   step       SmolLM2-1.7B's shape, random bf16 weights made on the device (--load-format dummy):
              the decode step at batch 1/32/128, contexts ~300 and ~2,000, asynchronous scheduling off
              and on: host phases, wall, device time, busy share, the floor from bytes moved, MBU, MFU;
+             a profiler trace of 8 steps at batch 128, context ~300, read back there: the device's
+             ms per step on each of its lines and the 12 largest kernels or ops (results.json);
              then offline throughput, 256 prompts of 32..512 tokens, 128 out (the 7,276 tok/s workload)
   parity     a random Hugging Face Llama saved by the image's transformers, loaded by jaxserve: greedy
              tokens and the chosen tokens' logprobs against HF torch on the same GPU, float32 and bf16
@@ -213,6 +215,58 @@ def _offline(ctx: Context, llm, rng, result: dict) -> None:
     ctx.save(result)
 
 
+def _device_profile(ctx: Context, engine, prompts: "list[list[int]]", steps: int) -> dict:
+    """Where a steady decode step's time goes on the device: a profiler trace of `steps` engine steps
+    (asynchronous scheduling on, every request decoding), read back with jax.profiler.ProfileData. Per
+    line of each device plane (on a GPU: its streams and XLA's op and module lines; on a CPU, the smoke
+    run, the host's XLA client lines), the line's busy ms per step and its 12 largest event names."""
+    import collections
+    import shutil
+
+    import jax
+    from jax.profiler import ProfileData
+    from jaxserve import SamplingParams
+
+    engine.async_scheduling = True
+    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    requests = [engine.add_request(p, params) for p in prompts]
+    while not all(r.output_token_ids for r in requests):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    trace_dir = ctx.workdir / "trace"
+    jax.profiler.start_trace(str(trace_dir))
+    try:
+        for _ in range(steps):
+            engine.step()
+    finally:
+        jax.profiler.stop_trace()
+    for request in requests:
+        engine.abort_request(request.request_id)
+    while engine.has_unfinished:
+        engine.step()
+    engine.pool.reset_prefix_cache()
+    path = max(trace_dir.rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
+    device = "/device:GPU" if any(p.name.startswith("/device:GPU") for p in ProfileData.from_file(str(path)).planes) \
+        else "/host:CPU"
+    lines = []
+    for plane in ProfileData.from_file(str(path)).planes:
+        if not plane.name.startswith(device):
+            continue
+        for line in plane.lines:
+            if line.name == "python":  # the host's Python calls (the CPU's plane): the engine, not the device
+                continue
+            totals = collections.Counter()
+            for event in line.events:
+                totals[event.name] += event.duration_ns
+            if totals:
+                lines.append({"plane": plane.name, "line": line.name,
+                              "ms_per_step": sum(totals.values()) / 1e6 / steps,
+                              "top": [(name, ns / 1e6 / steps) for name, ns in totals.most_common(12)]})
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    return {"batch": len(prompts), "context": len(prompts[0]), "steps": steps, "lines": lines}
+
+
 def section_step(ctx: Context) -> dict:
     import numpy as np
     from bench_steps import engine_phases
@@ -250,6 +304,16 @@ def section_step(ctx: Context) -> dict:
                 log(f"B={batch} ctx={context} async={'on' if async_scheduling else 'off'}: step {r['step_ms']:.2f} ms "
                     f"(device {r['device_ms']:.2f}, busy {r['device_busy']:.0%}, floor {floor_ms:.2f}, host "
                     f"{r['host_ms']:.2f}: {phases})")
+        if i == 0:  # the issue's step (the largest batch at the short context): where its device time goes
+            try:
+                result["profile"] = _device_profile(ctx, engine, random_prompts(rng, batches[-1], context), steps=8)
+                busiest = max(result["profile"]["lines"], key=lambda line: line["ms_per_step"])
+                log(f"profile B={batches[-1]} ctx={context}: {busiest['line']} {busiest['ms_per_step']:.2f} ms a step; "
+                    + ", ".join(f"{name} {ms:.3f}" for name, ms in busiest["top"][:6]))
+            except Exception as e:  # noqa: BLE001 - a profiler that fails must not cost the figures after it
+                result["profile"] = {"error": f"{type(e).__name__}: {e}"}
+                log(f"profile failed: {result['profile']['error']}")
+            ctx.save(result)
     if len(contexts) == 1:
         _offline(ctx, llm, rng, result)
     return result
@@ -574,6 +638,11 @@ def _step_rows(s: dict) -> list:
         rows.append((f"step B={r['batch']} ctx {r['context']} async {'on' if r['async_scheduling'] else 'off'}",
                      f"{r['step_ms']:.2f} ms, device {r['device_ms']:.2f}, busy {r['device_busy']:.0%}, host "
                      f"{r['host_ms']:.2f}, {r['step_over_floor']:.1f}x floor {r['floor_ms']:.2f}"))
+    if (profile := s.get("profile")) and profile.get("lines"):
+        busiest = max(profile["lines"], key=lambda line: line["ms_per_step"])
+        rows.append((f"profile B={profile['batch']} ctx {profile['context']}",
+                     f"{busiest['line']}: {busiest['ms_per_step']:.2f} ms a step; "
+                     + ", ".join(f"{name[:40]} {ms:.2f}" for name, ms in busiest["top"][:4])))
     if o := s.get("offline"):
         rows.append(("offline 1.7B shape", f"{o['output_tok_s']:.0f} output tok/s ({o['output_tokens']} tokens, "
                                            f"{o['seconds']:.1f} s); compiles after warm-up "
