@@ -158,22 +158,19 @@ def misaligned_views(lowered, alignment: int = MOSAIC_GPU_ALIGNMENT) -> list[str
     XLA:GPU passes a contiguous slice (a row of a [5, S + 1] array, say) to a custom call as the address
     inside its source rather than copying it, and a Mosaic GPU kernel refuses an input that is not
     256-byte aligned ("Input buffer 1 is not 256-byte aligned", seen on an H200). Followed back through
-    reshapes and bitcasts, and through a called function's arguments to each call site. A dynamic slice
-    with a contiguous result is reported too: its offset is known only when it runs."""
-    module = lowered.compiler_ir("stablehlo").operation
-    functions, calls = {}, collections.defaultdict(list)
+    reshapes and bitcasts, and through a called function's arguments to each call site. Every dynamic
+    slice is reported too: its offset is known only when it runs."""
+    calls = collections.defaultdict(list)  # function name -> the ops that call it
 
     def index(op):
         for region in op.regions:
             for block in region:
                 for child in block:
-                    if child.name == "func.func":
-                        functions[ir.StringAttr(child.attributes["sym_name"]).value] = child
-                    elif child.name == "func.call":
+                    if child.name == "func.call":
                         calls[ir.FlatSymbolRefAttr(child.attributes["callee"]).value].append(child)
                     index(child)
 
-    index(module)
+    index(lowered.compiler_ir("stablehlo").operation)
     found = []
 
     def sources(value, seen):
