@@ -252,10 +252,11 @@ def _device_profile(ctx: Context, engine, prompts: "list[list[int]]", steps: int
         engine.step()
     engine.pool.reset_prefix_cache()
     path = max(trace_dir.rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
-    device = "/device:GPU" if any(p.name.startswith("/device:GPU") for p in ProfileData.from_file(str(path)).planes) \
-        else "/host:CPU"
+    profile = ProfileData.from_file(str(path))  # read once; its planes live as long as it
+    planes = list(profile.planes)
+    device = "/device:GPU" if any(p.name.startswith("/device:GPU") for p in planes) else "/host:CPU"
     lines = []
-    for plane in ProfileData.from_file(str(path)).planes:
+    for plane in planes:
         if not plane.name.startswith(device):
             continue
         for line in plane.lines:
