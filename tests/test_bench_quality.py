@@ -137,3 +137,42 @@ def test_the_text_holds_4000_tokens_of_the_default_model():
     from jaxserve.weights import load_tokenizer
 
     assert len(load_tokenizer(None).encode(quality.load_text(), add_special_tokens=False)) >= 4000
+
+
+def _quality_split():
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "benchmarks" / "quality_split.py"
+    spec = importlib.util.spec_from_file_location("quality_split", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_the_weight_only_product_is_the_dequantized_weights_dot_with_the_input_as_it_is(kind):
+    """benchmarks/quality_split.py's weight-only matmul: x times the weights' dequantization, x not
+    quantized; the served W8A8 product (x rounded to 8 bits too) differs from it."""
+    import jax.numpy as jnp
+
+    from jaxserve.ops import quantized
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
+    w = quantized.QuantizedWeight.quantize(rng.standard_normal((64, 24)).astype(np.float32), kind)
+    weight_only = np.asarray(_quality_split().weight_only_matmul(x, w))
+    np.testing.assert_allclose(weight_only, np.asarray(x) @ np.asarray(w.dequantize()), rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(quantized.matmul(x, w)) - weight_only).max() > 1e-3
+
+
+def test_the_quality_split_measures_three_engines_and_the_weight_only_one_is_neither_other(model_a):
+    """The split's three engines on a tiny model: float32, fp8 as served and fp8 weights only. The
+    weight-only engine runs XLA's dot with the weights widened (its perplexity is neither float32's nor
+    the served W8A8's), and the served one is back in place afterwards."""
+    from jaxserve.ops import quantized
+
+    served_matmul = quantized.matmul
+    reference, served, weights = _quality_split().split(str(model_a[0]), "fp8", max_tokens=64, base=LIMITS)
+    assert quantized.matmul is served_matmul
+    assert "fp8 weights" in served.resolved and "xla matmul" in weights.resolved
+    assert len({reference.perplexity, served.perplexity, weights.perplexity}) == 3
