@@ -35,10 +35,12 @@ def test_the_kernels_build_wherever_a_compiler_is_found():
 
 @needs_kernels
 @pytest.mark.parametrize("k, n", [(1, 1), (33, 47), (33, 48), (33, 49), (64, 320), (576, 960)])
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 17, 64])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 17, 64, 130])
 def test_packed_matmul_matches_numpy(m, k, n):
-    """Row counts below, at and past the kernel's 8-row tile; widths below, at and past a 48-column
-    panel. Every output element is checked, so a missed tail row or column shows."""
+    """Row counts below, at and past the kernel's tiles (8 rows with AVX-512, 2 with AVX2) and, at 130,
+    past two of AVX2's 64-row strips; widths below, at and past a 48-column panel; K within one and
+    across several of AVX2's 128-step blocks. Every output element is checked, so a missed tail row or
+    column shows."""
     rng = np.random.default_rng(m * 1000 + n)
     x = rng.standard_normal((m, k), np.float32)
     w = rng.standard_normal((k, n), np.float32)
@@ -52,7 +54,7 @@ def test_packed_matmul_matches_numpy(m, k, n):
 
 @needs_kernels
 @pytest.mark.parametrize("k, inter", [(1, 48), (33, 96), (576, 1536)])
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 17, 64])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 17, 64, 130])
 def test_silu_gated_matmul_matches_numpy(m, k, inter):
     """silu(x @ w_gate) * (x @ w_up) from the packed [w_gate | w_up], against float64 numpy: row counts
     below, at and past the kernel's 8-row tile, and gates from -100 to 100, where a naive
@@ -173,20 +175,33 @@ def test_bfloat16_packed_matmul_is_the_product_of_the_rounded_operands(m, k, n, 
         assert np.abs(out - x.astype(np.float64) @ w.astype(np.float64)).max() > 1e-3
 
 
+def _assert_rows_alone_equal_rows_together(dtype, total: int, cuts: tuple[int, ...]):
+    """The last `cut` rows of a call's x give, bit for bit, the last rows of the whole call's product."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((total, 576), np.float32))
+    packed = jax.device_put(PackedWeight.pack(rng.standard_normal((576, 960), np.float32), dtype=dtype))
+    gated = jax.device_put(PackedWeight.pack(rng.standard_normal((576, 4 * PANEL_WIDTH), np.float32), dtype=dtype))
+    for fn, w in ((matmul, packed), (silu_gated_matmul, gated)):
+        full = np.asarray(jax.jit(fn)(x, w))
+        for rows in cuts:
+            np.testing.assert_array_equal(np.asarray(jax.jit(fn)(x[total - rows:], w)), full[total - rows:],
+                                          err_msg=f"{fn.__name__}: {rows} rows")
+
+
 @needs_kernels
 def test_a_bfloat16_rows_product_does_not_depend_on_the_rows_beside_it(matmul_path):
     """Every row of a bfloat16 call takes the same instructions (on AMX, the tiles, a block as short as
     one row; elsewhere the vector code), so a row's result is bit for bit the same alone, in a decode
     batch, or among a prompt's rows: a row's matmuls do not depend on which requests share its step."""
-    rng = np.random.default_rng(7)
-    x = jnp.asarray(rng.standard_normal((40, 576), np.float32))
-    packed = jax.device_put(PackedWeight.pack(rng.standard_normal((576, 960), np.float32), dtype=jnp.bfloat16))
-    gated = jax.device_put(PackedWeight.pack(rng.standard_normal((576, 4 * PANEL_WIDTH), np.float32),
-                                             dtype=jnp.bfloat16))
-    for fn, w in ((matmul, packed), (silu_gated_matmul, gated)):
-        full = np.asarray(jax.jit(fn)(x, w))
-        for rows in (1, 3, 8, 17, 39):
-            np.testing.assert_array_equal(np.asarray(jax.jit(fn)(x[40 - rows:], w)), full[40 - rows:], err_msg=str(rows))
+    _assert_rows_alone_equal_rows_together(jnp.bfloat16, 40, (1, 3, 8, 17, 39))
+
+
+@needs_kernels
+def test_a_float32_rows_product_does_not_depend_on_the_rows_beside_it():
+    """The same for float32 weights: a row's sums run k by k in the same order whether its tile has
+    one row or several and whether K is taken whole or, for AVX2's prompt-sized calls, block by block
+    in strips of rows (150 rows: three strips)."""
+    _assert_rows_alone_equal_rows_together(np.float32, 150, (1, 3, 5, 64, 71, 149))
 
 
 @needs_kernels

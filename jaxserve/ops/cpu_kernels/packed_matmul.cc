@@ -43,7 +43,8 @@
 // isum * x_scale[r, g], and the offsets of all groups come off at the end as one number per row:
 // y = (acc - x_offset[r]) * w_scale[c], x_offset[r] = 128 sum_g x_scale[r, g] sum(xq[r, g]) (computed
 // where x is quantized). The group's int sums stay in registers; its float sums are spilled between
-// groups. Without VNNI the bytes are widened to int32 and multiplied as such (the same integers).
+// groups. Without VNNI: AVX2's vpmaddwd on the bytes widened to 16 bits; elsewhere the bytes are widened to
+// int32 and multiplied as such (the same integers every way).
 //
 // On a CPU with AMX (Intel Xeon since Sapphire Rapids), bfloat16 and int8 weights take the tile unit
 // in blocks of 16 rows (`AmxBlock`): the packed panel already is AMX's B-operand layout (a
@@ -64,7 +65,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <cmath>
@@ -89,8 +90,12 @@ using jaxserve::Load;
 using jaxserve::Store;
 using jaxserve::Vec;
 
-constexpr int kFloatRows = kLanes == 16 ? 8 : 4;  // 8 x 3 accumulator vectors and 3 weight vectors of 32
-constexpr int kInt8Rows = kFloatRows;  // 8 x 3 int sums in registers, the float sums beside them in L1
+// AVX-512: 8 rows x 3 accumulator vectors and 3 weight vectors of 32 registers. AVX2 has 16: 2 rows x 6
+// accumulators, the weights read as the multiply's memory operand (4 rows spilled 9 of their 24 to the stack).
+constexpr int kFloatRows = kLanes == 16 ? 8 : 2;
+// The int sums in registers, the float sums beside them in L1. AVX2: one row, whose 6 sums, x's two
+// broadcast pairs and a weight vector's two halves fit its 16 registers.
+constexpr int kInt8Rows = kLanes == 16 ? kFloatRows : 1;
 constexpr int kPanelWidth = 48;  // columns per packed panel; the Python side packs with the same number
 constexpr int kVectors = kPanelWidth / kLanes;
 static_assert(kPanelWidth % kLanes == 0, "a panel is a whole number of vectors");
@@ -148,6 +153,21 @@ struct U8Quads {
 #if defined(__AVX512VNNI__)
     if constexpr (kLanes == 16) {
       acc = (IntVec)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi32(static_cast<int32_t>(x)));
+      return;
+    }
+#endif
+#if defined(__AVX2__)
+    if constexpr (kLanes == 8) {
+      // vpmaddwd: each lane's bytes 0 and 2 (and 1 and 3), widened to 16 bits, times x's bytes of the same
+      // k sign-extended to 16 bits, both products added into the lane's 32 bits. The same integers as
+      // vpdpbusd (|255 x 127 x 4| < 2^31), two instructions and three shuffling ones a lane's four k
+      // against the byte-by-byte widening's four 32-bit multiplies.
+      const auto pair = [](int32_t low, int32_t high) { return _mm256_set1_epi32((low & 0xffff) | (high << 16)); };
+      const __m256i x02 = pair(static_cast<int8_t>(x), static_cast<int8_t>(x >> 16));
+      const __m256i x13 = pair(static_cast<int8_t>(x >> 8), static_cast<int8_t>(x >> 24));
+      const __m256i w02 = _mm256_and_si256((__m256i)w, _mm256_set1_epi32(0x00ff00ff));
+      const __m256i w13 = _mm256_srli_epi16((__m256i)w, 8);
+      acc += (IntVec)_mm256_madd_epi16(w02, x02) + (IntVec)_mm256_madd_epi16(w13, x13);
       return;
     }
 #endif
@@ -269,6 +289,68 @@ void GatedTile(const Problem<T>& p, int64_t row, int64_t panel, int64_t prefetch
       StoreGated(p, row, panel, r, j, p.out(gate_acc[r][j], row + r, column),
                  p.out(up_acc[r][j], row + r, column + p.panels / 2 * kPanelWidth));
     }
+}
+
+// AVX2 only, float32 weights, prompt-sized M: the rows in strips of kStripRows and K in blocks of
+// kBlockSteps, so that a panel's block (128 x 48 floats, 24 KiB) stays in L1 while every row tile of the
+// strip passes over it. Unblocked, each 2-row tile streams the whole panel (K x 192 bytes) from L2, 192
+// bytes per 12 multiplies: as much as Zen 3's L2 gives L1 in a cycle, so the multiplies waited on it. A
+// strip's sums wait in `gate` (and `up`) between blocks. AVX-512's 8-row tiles read a third of that per
+// multiply and take the unblocked path.
+constexpr int64_t kStripRows = 64;
+constexpr int64_t kBlockSteps = 128;
+
+template <typename T>
+constexpr bool kBlocks = kLanes == 8 && std::is_same_v<T, F32>;
+
+// c[r, :] (+)= rows row.. of x . w_panel over steps [begin, end): c holds the sums of the steps before begin.
+template <typename T, int R>
+void BlockTile(const Problem<T>& p, int64_t row, const typename T::Elem* w_panel, float* c, int64_t begin,
+               int64_t end) {
+  Vec acc[R][kVectors];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kVectors; ++j) acc[r][j] = begin == 0 ? Vec{} : Load(c + r * kPanelWidth + j * kLanes);
+  AccumulateSteps<T, R>(p, p.x + row * p.steps, w_panel, acc, nullptr, begin, end);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kVectors; ++j) Store(c + r * kPanelWidth + j * kLanes, acc[r][j]);
+}
+
+// Every row against panel `panel` (y's `columns` of it; gated: with its up panel) in strips and blocks as
+// above; returns the rows done: all of them, or none (other weights, AVX-512, few rows or a short K).
+template <bool kGated, typename T, int... R>
+int64_t BlockedRows(const Problem<T>& p, int64_t panel, int64_t columns, std::integer_sequence<int, R...>) {
+  if constexpr (!kBlocks<T>) {
+    return 0;
+  } else {
+  if (p.m <= 2 * T::kRows || p.steps <= kBlockSteps) return 0;
+  using TileFn = void (*)(const Problem<T>&, int64_t, const typename T::Elem*, float*, int64_t, int64_t);
+  static constexpr TileFn kTiles[] = {nullptr, &BlockTile<T, R + 1>...};
+  alignas(64) float gate[kStripRows * kPanelWidth], up[kGated ? kStripRows * kPanelWidth : 1];
+  const int64_t up_offset = kGated ? p.panels / 2 : 0;
+  for (int64_t strip = 0; strip < p.m; strip += kStripRows) {
+    const int64_t strip_rows = std::min(kStripRows, p.m - strip);
+    auto multiply = [&](int64_t of, float* c) {
+      for (int64_t begin = 0; begin < p.steps; begin += kBlockSteps)
+        for (int64_t row = 0; row < strip_rows; row += T::kRows)
+          kTiles[std::min<int64_t>(T::kRows, strip_rows - row)](p, strip + row, p.panel(of), c + row * kPanelWidth,
+                                                                begin, std::min(begin + kBlockSteps, p.steps));
+    };
+    multiply(panel, gate);
+    if constexpr (kGated) {
+      multiply(panel + up_offset, up);
+      for (int r = 0; r < strip_rows; ++r)
+        for (int j = 0; j < kVectors; ++j) {
+          const int64_t column = panel * kPanelWidth + j * kLanes;
+          StoreGated(p, strip, panel, r, j, p.out(Load(gate + r * kPanelWidth + j * kLanes), strip + r, column),
+                     p.out(Load(up + r * kPanelWidth + j * kLanes), strip + r, column + up_offset * kPanelWidth));
+        }
+    } else {
+      for (int64_t r = 0; r < strip_rows; ++r)
+        std::memcpy(p.y + (strip + r) * p.n + panel * kPanelWidth, gate + r * kPanelWidth, columns * sizeof(float));
+    }
+  }
+  return p.m;
+  }
 }
 
 std::atomic<int> amx_wanted{1};  // JaxserveSetAmx
@@ -503,7 +585,8 @@ void Panel(const Problem<T>& p, int64_t panel, int64_t next, std::integer_sequen
   using TileFn = void (*)(const Problem<T>&, int64_t, int64_t, int64_t, const typename T::Elem*);
   static constexpr TileFn kTiles[] = {nullptr, &Tile<T, R + 1>...};  // kTiles[r]: a tile of r rows
   const int64_t columns = std::min<int64_t>(kPanelWidth, p.n - panel * kPanelWidth);
-  const int64_t first = TileUnitRows<false>(p, panel, columns, next);
+  int64_t first = TileUnitRows<false>(p, panel, columns, next);
+  if (first == 0) first = BlockedRows<false>(p, panel, columns, std::integer_sequence<int, R...>());
   for (int64_t row = first; row < p.m; row += T::kRows) {
     const int64_t rows = std::min<int64_t>(T::kRows, p.m - row);
     kTiles[rows](p, row, panel, columns, row == PrefetchingRow(p) && first == 0 ? p.panel(next) : nullptr);
@@ -515,7 +598,8 @@ template <typename T, int... R>
 void GatedPanel(const Problem<T>& p, int64_t panel, int64_t next, std::integer_sequence<int, R...>) {
   using TileFn = void (*)(const Problem<T>&, int64_t, int64_t, int64_t);
   static constexpr TileFn kTiles[] = {nullptr, &GatedTile<T, R + 1>...};
-  const int64_t first = TileUnitRows<true>(p, panel, kPanelWidth, next);
+  int64_t first = TileUnitRows<true>(p, panel, kPanelWidth, next);
+  if (first == 0) first = BlockedRows<true>(p, panel, kPanelWidth, std::integer_sequence<int, R...>());
   for (int64_t row = first; row < p.m; row += T::kRows) {
     const int64_t rows = std::min<int64_t>(T::kRows, p.m - row);
     kTiles[rows](p, row, panel, row == PrefetchingRow(p) && first == 0 ? next : -1);
