@@ -156,8 +156,8 @@ struct U8Quads {
       return;
     }
 #endif
-#if defined(__AVX2__)
-    if constexpr (kLanes == 8) {
+#if defined(__AVX2__) && !defined(__AVX512F__)  // 8 lanes (not a template: `if constexpr` would still compile it)
+    {
       // vpmaddwd: each lane's bytes 0 and 2 (and 1 and 3), widened to 16 bits, times x's bytes of the same
       // k sign-extended to 16 bits, both products added into the lane's 32 bits. The same integers as
       // vpdpbusd (|255 x 127 x 4| < 2^31), two instructions and three shuffling ones a lane's four k
