@@ -33,6 +33,30 @@ def test_the_kernels_build_wherever_a_compiler_is_found():
     assert cpu_ffi.kernel_error() is None
 
 
+# One x86 target a family of the code paths the kernels choose at compile time: AVX2 (8 lanes, vpmaddwd),
+# AVX-512 (16 lanes), AVX512-BF16 and VNNI, AMX tiles.
+X86_TARGETS = ("haswell", "skylake-avx512", "cooperlake", "sapphirerapids")
+
+
+@pytest.mark.parametrize("march", X86_TARGETS)
+def test_the_kernels_compile_for_every_x86_family_not_only_this_cpu(march):
+    """The kernels build with -march=native, so a machine only ever compiles its own paths: an AVX2 path
+    that fails to compile for AVX-512 (it once did, an 8-lane intrinsic against 16-lane vectors) would
+    pass here on an AVX2 machine and break every AVX-512 one. Each family is compiled here, syntax only."""
+    import platform
+    import subprocess
+
+    compiler = os.environ.get("CXX", "c++")
+    if platform.machine() not in ("x86_64", "AMD64") or shutil.which(compiler) is None:
+        pytest.skip("an x86-64 C++ compiler is needed")
+    flags = [f"-march={march}" if f == "-march=native" else f for f in cpu_ffi.FLAGS if f != "-shared"]
+    command = [compiler, *flags, "-fsyntax-only", "-isystem", jax.ffi.include_dir(), *map(str, cpu_ffi.SOURCES)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    if result.returncode != 0 and "bad value" in result.stderr:
+        pytest.skip(f"this compiler does not know -march={march}")
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 @needs_kernels
 @pytest.mark.parametrize("k, n", [(1, 1), (33, 47), (33, 48), (33, 49), (64, 320), (576, 960)])
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 17, 64, 130])
@@ -317,3 +341,22 @@ def test_auto_packs_the_weights_for_float32_on_a_cpu_and_keeps_xla_otherwise(cap
         resolve_matmul_backend("cpu-bf16", bf16, platform="cpu")
     assert paired_attention_backend("cpu", "cpu-bf16") == "cpu-bf16"
     assert paired_attention_backend("cpu", "cpu") == "cpu" and paired_attention_backend("xla", "cpu-bf16") == "xla"
+
+
+@needs_kernels
+def test_the_matmul_microbenchmark_times_every_shape_of_a_layer_for_both_paths(tmp_path):
+    """benchmarks/bench_cpu_matmul.py, at two row counts and one repeat: a line per shape and row count,
+    the kernel's and XLA's times, in the JSON it writes."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from bench_cpu_matmul import SHAPES, main
+
+    out = tmp_path / "matmul.json"
+    main(["--rows", "1", "3", "--repeats", "1", "--dtype", "int8", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["dtype"] == "int8"
+    assert [(r["rows"], r["shape"]) for r in saved["results"]] == [(m, s[0]) for m in (1, 3) for s in SHAPES]
+    assert all(r["packed_ms"] > 0 and r["xla_ms"] > 0 for r in saved["results"])

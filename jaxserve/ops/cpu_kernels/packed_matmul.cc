@@ -6,7 +6,8 @@
 // one contiguous run of K rows, zero-padded past N. A tile of up to kRows rows of x is multiplied with
 // one panel in registers: per k, the panel's row (kPanelWidth floats) is loaded once and used by every
 // row of the tile, and x's values are broadcast. The weights stream from memory exactly once per
-// call when M <= kRows; for larger M a panel stays in L2 while the row tiles pass over it.
+// call when M <= kRows; for larger M a panel stays in L2 while the row tiles pass over it (with AVX2's
+// 2-row tiles, float32 goes in K blocks that stay in L1 instead: `BlockedRows`).
 //
 // XLA's own dot runs the few-row matmuls that decode steps are made of well below its large-matmul
 // rate, which is why this kernel exists.
@@ -275,6 +276,18 @@ inline void StoreGated(const Problem<T>& p, int64_t row, int64_t panel, int r, i
   Store(p.y + (row + r) * (p.n / 2) + column, jaxserve::Silu(gate) * up_value);
 }
 
+// StoreGated for rows row..row + rows - 1 from their gate and up sums, [rows, kPanelWidth] each.
+template <typename T>
+void StoreGatedRows(const Problem<T>& p, int64_t row, int64_t panel, int64_t rows, const float* gate, const float* up) {
+  const int64_t up_column = p.panels / 2 * kPanelWidth;
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < kVectors; ++j) {
+      const int64_t column = panel * kPanelWidth + j * kLanes;
+      StoreGated(p, row, panel, r, j, p.out(Load(gate + r * kPanelWidth + j * kLanes), row + r, column),
+                 p.out(Load(up + r * kPanelWidth + j * kLanes), row + r, column + up_column));
+    }
+}
+
 // silu(gate) * up for R rows and gate panel `panel` (whole panels only); gate panel `prefetch` and
 // its up panel are prefetched meanwhile (-1: none).
 template <typename T, int R>
@@ -326,7 +339,6 @@ int64_t BlockedRows(const Problem<T>& p, int64_t panel, int64_t columns, std::in
   using TileFn = void (*)(const Problem<T>&, int64_t, const typename T::Elem*, float*, int64_t, int64_t);
   static constexpr TileFn kTiles[] = {nullptr, &BlockTile<T, R + 1>...};
   alignas(64) float gate[kStripRows * kPanelWidth], up[kGated ? kStripRows * kPanelWidth : 1];
-  const int64_t up_offset = kGated ? p.panels / 2 : 0;
   for (int64_t strip = 0; strip < p.m; strip += kStripRows) {
     const int64_t strip_rows = std::min(kStripRows, p.m - strip);
     auto multiply = [&](int64_t of, float* c) {
@@ -337,13 +349,8 @@ int64_t BlockedRows(const Problem<T>& p, int64_t panel, int64_t columns, std::in
     };
     multiply(panel, gate);
     if constexpr (kGated) {
-      multiply(panel + up_offset, up);
-      for (int r = 0; r < strip_rows; ++r)
-        for (int j = 0; j < kVectors; ++j) {
-          const int64_t column = panel * kPanelWidth + j * kLanes;
-          StoreGated(p, strip, panel, r, j, p.out(Load(gate + r * kPanelWidth + j * kLanes), strip + r, column),
-                     p.out(Load(up + r * kPanelWidth + j * kLanes), strip + r, column + up_offset * kPanelWidth));
-        }
+      multiply(panel + p.panels / 2, up);
+      StoreGatedRows(p, strip, panel, strip_rows, gate, up);
     } else {
       for (int64_t r = 0; r < strip_rows; ++r)
         std::memcpy(p.y + (strip + r) * p.n + panel * kPanelWidth, gate + r * kPanelWidth, columns * sizeof(float));
@@ -535,12 +542,7 @@ int64_t AmxRows(const Problem<T>& p, int64_t panel, int64_t columns, int64_t nex
     if constexpr (kGated) {
       multiply(panel, gate, kPanelWidth, next);
       multiply(panel + up_offset, up, kPanelWidth, next + up_offset);
-      for (int r = 0; r < pass; ++r)
-        for (int j = 0; j < kVectors; ++j) {
-          const int64_t column = panel * kPanelWidth + j * kLanes;
-          StoreGated(p, row, panel, r, j, p.out(Load(gate + r * kPanelWidth + j * kLanes), row + r, column),
-                     p.out(Load(up + r * kPanelWidth + j * kLanes), row + r, column + up_offset * kPanelWidth));
-        }
+      StoreGatedRows(p, row, panel, pass, gate, up);
     } else {
       float* y = p.y + row * p.n + panel * kPanelWidth;
       if (std::is_same_v<T, Bf16Pairs> && columns == kPanelWidth) {  // the tiles are the output
