@@ -144,13 +144,20 @@ def test_bf16_products_round_the_prompt_tiles_operands_only(head_dim, page_size,
 def test_a_prompt_rows_output_does_not_depend_on_where_its_chunk_starts(backend, page_dtype):
     """The kernel gives a prompt run's tiles of one KV head to one job, each tile converting only the keys
     the tile before it did not reach. The same 100 tokens attended as one chunk from position 0 and as a
-    chunk from position 52 (the first 52 cached) cut their rows into other tiles (of 16 tokens at group 3,
-    three whole ones from 52; a run's last rows short of 4 would go one by one, another summation) and
-    jobs; rows 52..99 must come out bit for bit the same, since each lane's scores, softmax and weighted
-    sum are its own. A tile that read another tile's stale keys or values would differ."""
-    page_size, head_dim, group = 16, 64, 3
+    chunk from position 56 (the first 56 cached) cut their rows into other tiles and jobs; rows 56..99
+    must come out bit for bit the same, since each lane's scores, softmax and weighted sum are its own.
+    A tile that read another tile's stale keys or values would differ.
+
+    A tile holds 48 lanes with AVX-512 and 16 with AVX2, so 16 or 5 tokens at group 3, and a run's last
+    rows short of 4 tokens go one by one, another summation. Both chunks are cut so that no row goes one
+    by one at either width (from 56 at AVX2: eight tiles of 5 and one of 4), and so that the chunk from
+    56 starts inside a tile of the chunk from 0 at both."""
+    page_size, head_dim, group, start = 16, 64, 3, 56
+    for tile_tokens in (48 // group, 16 // group):
+        assert start % tile_tokens and all((n % tile_tokens) in range(4, tile_tokens) or n % tile_tokens == 0
+                                           for n in (100, 100 - start)), tile_tokens
     # (900, 0): enough tiles that a job holds several of them whatever XLA's thread count (8 CPU devices here)
-    lengths = [(100, 0), (48, 52), (37, 150 - page_size), (1, 40), (64, 0), (2, 9), (900, 0)]
+    lengths = [(100, 0), (100 - start, start), (37, 150 - page_size), (1, 40), (64, 0), (2, 9), (900, 0)]
     q, k, v, md, real_tokens = build_case(lengths, page_size=page_size, head_dim=head_dim, group=group,
                                           dtype="float32", seed=7)
     tables, cu = np.asarray(md.block_tables), np.asarray(md.cu_q_lens)
@@ -158,12 +165,12 @@ def test_a_prompt_rows_output_does_not_depend_on_where_its_chunk_starts(backend,
     for page in range(-(-100 // page_size)):  # sequence 1's first 100 positions hold sequence 0's keys, values
         k[:, tables[1, page]] = k[:, tables[0, page]]
         v[:, tables[1, page]] = v[:, tables[0, page]]
-    q[cu[1]:cu[2]] = q[cu[0] + 52:cu[0] + 100]
+    q[cu[1]:cu[2]] = q[cu[0] + start:cu[0] + 100]
     attend = jax.jit(functools.partial(paged_attention, backend=backend, scale=head_dim ** -0.5))
     out = np.asarray(attend(jnp.asarray(q), to_page_dtype(jnp.asarray(k), page_dtype),
                             to_page_dtype(jnp.asarray(v), page_dtype), LAYER, md))
-    np.testing.assert_array_equal(out[cu[1]:cu[2]], out[cu[0] + 52:cu[0] + 100])
-    assert np.abs(out[cu[0] + 52:cu[0] + 100]).max() > 0.1
+    np.testing.assert_array_equal(out[cu[1]:cu[2]], out[cu[0] + start:cu[0] + 100])
+    assert np.abs(out[cu[0] + start:cu[0] + 100]).max() > 0.1
 
 
 def rounded_decode_reference(q, k_pages, v_pages, md, num_rows, scale, window, soft_cap):
