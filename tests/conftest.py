@@ -71,3 +71,29 @@ def matmul_path(request):
     cpu_ffi.set_amx(request.param == "amx")
     yield request.param
     cpu_ffi.set_amx(True)
+
+
+# The files that take longest (seconds of setup and calls, summed; a fresh-clone run on a 2-core AVX2 EPYC,
+# 2026-12-02), run first. .ci/run gives each file to one of two workers, in collection order
+# (--no-loadscope-reorder; xdist's own order puts the files with most tests first, and so left these few-test
+# files to the end, one worker idle while the other ran the last of them): longest first keeps both busy.
+LONGEST_FIRST = (
+    "test_multihost.py",  # 564
+    "test_pallas_attention.py",  # 463
+    "test_gpu_run.py",  # 409
+    "test_notebook.py",  # 399
+    "test_default_model.py",  # 397
+    "test_structured_output.py",  # 374
+    "test_bench.py",  # 295
+    "test_server.py",  # 291
+    "test_quantized_xla.py",  # 255
+    "test_lora_engine.py",  # 244
+    "test_pallas_lowering.py",  # 216
+    "test_pallas_fp8.py",  # 204
+    "test_server_resilience.py",  # 197
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
