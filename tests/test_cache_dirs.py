@@ -5,7 +5,10 @@ the kernels' own tests are in test_gguf_cache.py and test_cpu_kernel_build.py.""
 from __future__ import annotations
 
 import logging
+import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -62,3 +65,31 @@ def test_the_compilation_cache_without_a_usable_home_is_left_off_and_said(home_u
     assert jax.config.jax_compilation_cache_dir == before
     assert any("running without its xla cache" in r.getMessage() and str(home_under_a_file) in r.getMessage()
                for r in caplog.records)
+
+
+_COMPILE_INTO = """
+import sys
+import jax
+from jaxserve.runner.compilation import enable_persistent_cache
+if len(sys.argv) > 2:
+    jax.config.update("jax_compilation_cache_max_size", int(sys.argv[2]))
+enable_persistent_cache(sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.jit(lambda x: x * 2 + 1)(jax.numpy.arange(3.0)).block_until_ready()
+print(jax.config.jax_compilation_cache_max_size)
+"""
+
+
+@pytest.mark.parametrize("bound", [None, 1 << 20])
+def test_the_compilation_cache_is_bounded_so_that_processes_sharing_it_lock_it(tmp_path, bound):
+    """JAX writes an unbounded cache's entries without a lock; bounded, it takes its directory's file lock
+    around each read and write. Ours is bounded, and a bound the user set is kept."""
+    from jaxserve.runner.compilation import CACHE_MAX_BYTES
+
+    extra = [] if bound is None else [str(bound)]
+    done = subprocess.run([sys.executable, "-c", _COMPILE_INTO, str(tmp_path), *extra], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.split()[-1]) == (CACHE_MAX_BYTES if bound is None else bound)
+    names = [p.name for p in tmp_path.iterdir()]
+    assert ".lockfile" in names and any(name.endswith("-cache") for name in names), names

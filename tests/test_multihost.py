@@ -31,8 +31,10 @@ from jaxserve import SamplingParams
 from jaxserve.distributed.multihost import SECRET_ENV, SECRET_FILE_ENV
 from server_helpers import REPO_ROOT, free_port, run_server
 
-# float32 by name, as default_llm, whose text the two processes must give
-DEFAULT_FLAGS = ["--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "128",
+# float32 by name, as default_llm, whose text the two processes must give. The test sends one request at a
+# time, each prompt under 16 tokens, so the group runs default_llm's smallest buckets (prefill 16, decode 1);
+# the limits compile just those two, in each process.
+DEFAULT_FLAGS = ["--max-model-len", "512", "--max-num-seqs", "1", "--max-num-batched-tokens", "16",
                  "--dtype", "float32"]
 PROMPTS = ["The capital of Germany is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 

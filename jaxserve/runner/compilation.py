@@ -75,8 +75,16 @@ def forbid_compilation():
         _forbidden -= 1
 
 
+# Processes share the cache's directory: data-parallel replicas, servers side by side, test workers. JAX writes
+# an entry in place and without a lock unless the cache is bounded, so a process could read an entry that
+# another is still writing. Bounded, JAX's least-recently-used eviction holds a file lock around each read and
+# write, and every entry is read whole. A bound set by the user (JAX_COMPILATION_CACHE_MAX_SIZE) is kept.
+CACHE_MAX_BYTES = 8 << 30
+
+
 def enable_persistent_cache(cache_dir: str | os.PathLike | None = None) -> Path | None:
-    """Points JAX's persistent compilation cache at `cache_dir` (default ~/.cache/jaxserve/xla).
+    """Points JAX's persistent compilation cache at `cache_dir` (default ~/.cache/jaxserve/xla), bounded
+    to CACHE_MAX_BYTES, least recently used entries evicted first.
 
     JAXSERVE_COMPILATION_CACHE=off disables it; a path there overrides the default. None when it is off,
     or its directory cannot be created (no home directory, a read-only one: said in a warning).
@@ -84,6 +92,8 @@ def enable_persistent_cache(cache_dir: str | os.PathLike | None = None) -> Path 
     path = cache_dirs.cache_dir("xla", "JAXSERVE_COMPILATION_CACHE", cache_dir)
     if path is None:
         return None
+    if jax.config.jax_compilation_cache_max_size == -1:  # JAX's default: unbounded, and written without a lock
+        jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
