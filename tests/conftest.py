@@ -26,6 +26,11 @@ if "JAXSERVE_KERNEL_CACHE" not in os.environ:
     os.environ["JAXSERVE_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="jaxserve-kernels-")
     atexit.register(shutil.rmtree, os.environ["JAXSERVE_KERNEL_CACHE"], ignore_errors=True)
 
+# Hugging Face's float32 copy of the default model's GGUF, stored by the first test that reads it (tests/hf_gguf.py)
+if "JAXSERVE_TEST_HF_CACHE" not in os.environ:
+    os.environ["JAXSERVE_TEST_HF_CACHE"] = tempfile.mkdtemp(prefix="jaxserve-hf-")
+    atexit.register(shutil.rmtree, os.environ["JAXSERVE_TEST_HF_CACHE"], ignore_errors=True)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _compilation_cache(tmp_path_factory):

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from hf_gguf import hf_model_of_gguf
+
 # A and B are drawn uniform, then scaled so each element of a projection's delta has about this fraction
 # of its input's root mean square, whatever the rank, width and lora_alpha: large enough to change greedy
 # tokens on the tiny models and on the default model.
@@ -30,8 +32,7 @@ def load_base(base: str | Path) -> transformers.PreTrainedModel:
     key = (base, (base if base.is_file() else base / "config.json").stat().st_mtime_ns)
     if key not in _BASES:
         if base.is_file():
-            model = transformers.AutoModelForCausalLM.from_pretrained(base.parent, gguf_file=base.name,
-                                                                      dtype=torch.float32)
+            model = hf_model_of_gguf(base)
         else:
             model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         _BASES[key] = model.eval()

@@ -14,6 +14,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.ops.packed_matmul import PackedWeight
 from jaxserve.models.transformer import MATRICES
 from jaxserve.weights import default_model_path
+from hf_gguf import hf_model_of_gguf
 
 pytestmark = pytest.mark.default_model
 
@@ -38,10 +39,7 @@ def llm(default_llm):
 
 @pytest.fixture(scope="module")
 def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return hf_model_of_gguf(default_model_path())
 
 
 def _hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int) -> list[int]:

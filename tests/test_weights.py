@@ -26,6 +26,7 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as QType
 
+import hf_gguf
 import tiny_models
 from jaxserve.config.model_config import ModelLoadError
 from jaxserve.models.transformer import forward, serving_params
@@ -396,14 +397,19 @@ def test_default_model_config(default_model):
 
 
 @pytest.mark.default_model
-def test_default_model_logits_match_transformers(default_model):
+def test_default_model_logits_match_transformers(default_model, tmp_path, monkeypatch):
     """The real 30-layer model agrees with transformers loading the same GGUF (same dequantized
-    weights): guards the llama.cpp q/k un-permutation with 9 query and 3 kv heads, and tied embeddings."""
-    path = default_model_path()
-    reference = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                                  dtype=torch.float32).eval()
+    weights): guards the llama.cpp q/k un-permutation with 9 query and 3 kv heads, and tied embeddings.
+    The float32 copy that other tests read instead of the GGUF (tests/hf_gguf.py) gives the same logits."""
+    monkeypatch.setenv(hf_gguf.CACHE_ENV, str(tmp_path))  # empty: the first call reads the GGUF
+    reference = hf_gguf.hf_model_of_gguf(default_model_path())
+    (stored,) = tmp_path.iterdir()
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = default_model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     token_ids = default_model.tokenizer.encode(prompt, add_special_tokens=False)
     expected = torch_logits(reference, token_ids)
     assert max_abs_diff(jax_logits(default_model, token_ids), expected) <= 1e-3
+    stored_model = hf_gguf.hf_model_of_gguf(default_model_path())  # the stored copy, read back
+    assert sorted(p.name for p in stored.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert np.array_equal(torch_logits(stored_model, token_ids), expected)
+    assert stored_model.lm_head.weight.data_ptr() == stored_model.model.embed_tokens.weight.data_ptr()  # tied
