@@ -93,3 +93,17 @@ def test_the_compilation_cache_is_bounded_so_that_processes_sharing_it_lock_it(t
     assert int(done.stdout.split()[-1]) == (CACHE_MAX_BYTES if bound is None else bound)
     names = [p.name for p in tmp_path.iterdir()]
     assert ".lockfile" in names and any(name.endswith("-cache") for name in names), names
+
+
+def test_entries_written_unbounded_get_a_last_use_time_and_new_entries_are_still_written(tmp_path):
+    """A cache that an unbounded JAX filled (jaxserve's, before it was bounded) has entries without the
+    last-use time that bounded JAX reads before each write; without one every write failed."""
+    legacy = tmp_path / "jit_old-0123456789abcdef-cache"
+    legacy.write_bytes(b"an entry from before")
+    done = subprocess.run([sys.executable, "-c", _COMPILE_INTO, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Error writing persistent compilation cache" not in done.stderr, done.stderr[-2000:]
+    entries = {p.name.removesuffix("-cache") for p in tmp_path.glob("*-cache")}
+    assert legacy.name.removesuffix("-cache") in entries and len(entries) > 1, entries  # new ones written
+    assert all((tmp_path / f"{key}-atime").exists() for key in entries), entries

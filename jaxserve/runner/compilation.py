@@ -82,6 +82,17 @@ def forbid_compilation():
 CACHE_MAX_BYTES = 8 << 30
 
 
+def _stamp_unstamped_entries(path: Path) -> None:
+    """Bounded, JAX reads every entry's last-use time (its `-atime` file) before it writes a new entry, and
+    drops the write when one is missing. Entries written unbounded (by jaxserve before it bounded the cache,
+    or by JAX at its default) have none: each gets its file's modification time."""
+    for entry in path.glob("*-cache"):
+        stamp = entry.with_name(entry.name.removesuffix("-cache") + "-atime")
+        if not stamp.exists():
+            with contextlib.suppress(OSError):  # an entry evicted meanwhile
+                stamp.write_bytes(entry.stat().st_mtime_ns.to_bytes(8, "little"))
+
+
 def enable_persistent_cache(cache_dir: str | os.PathLike | None = None) -> Path | None:
     """Points JAX's persistent compilation cache at `cache_dir` (default ~/.cache/jaxserve/xla), bounded
     to CACHE_MAX_BYTES, least recently used entries evicted first.
@@ -94,6 +105,8 @@ def enable_persistent_cache(cache_dir: str | os.PathLike | None = None) -> Path 
         return None
     if jax.config.jax_compilation_cache_max_size == -1:  # JAX's default: unbounded, and written without a lock
         jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
+    if jax.config.jax_compilation_cache_max_size > 0:
+        _stamp_unstamped_entries(path)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
