@@ -40,7 +40,7 @@ CASES = [  # head_dim, page_size, group (query heads per kv head), sliding windo
 
 def long_chunk_lengths(page_size: int) -> list[tuple[int, int]]:
     """(q_len, num_cached): prompt chunks long enough for several of the kernel's tiles (a tile holds
-    48 // group tokens with AVX-512, 16 // group with AVX2) and a remainder, short runs of rows that
+    48 // group tokens with AVX-512, 24 // group with AVX2) and a remainder, short runs of rows that
     go one by one, and decode rows between them."""
     return [(1, 40), (100, 0), (37, 150 - page_size), (5, 20), (2, 9), (1, 3), (4, 0)]
 
@@ -148,12 +148,12 @@ def test_a_prompt_rows_output_does_not_depend_on_where_its_chunk_starts(backend,
     must come out bit for bit the same, since each lane's scores, softmax and weighted sum are its own.
     A tile that read another tile's stale keys or values would differ.
 
-    A tile holds 48 lanes with AVX-512 and 16 with AVX2, so 16 or 5 tokens at group 3, and a run's last
+    A tile holds 48 lanes with AVX-512 and 24 with AVX2, so 16 or 8 tokens at group 3, and a run's last
     rows short of 4 tokens go one by one, another summation. Both chunks are cut so that no row goes one
-    by one at either width (from 56 at AVX2: eight tiles of 5 and one of 4), and so that the chunk from
-    56 starts inside a tile of the chunk from 0 at both."""
-    page_size, head_dim, group, start = 16, 64, 3, 56
-    for tile_tokens in (48 // group, 16 // group):
+    by one at either width (from 52 at AVX2: six tiles of 8), and so that the chunk from 52 starts inside
+    a tile of the chunk from 0 at both."""
+    page_size, head_dim, group, start = 16, 64, 3, 52
+    for tile_tokens in (48 // group, 24 // group):
         assert start % tile_tokens and all((n % tile_tokens) in range(4, tile_tokens) or n % tile_tokens == 0
                                            for n in (100, 100 - start)), tile_tokens
     # (900, 0): enough tiles that a job holds several of them whatever XLA's thread count (8 CPU devices here)

@@ -205,7 +205,7 @@ inline Vec DotPairs(Vec acc, uint32_t pair, PairVec pairs) { return DotPairs(acc
 struct Scratch {
   std::vector<float> scores, acc, row_max, row_sum;
   std::vector<Vec> parts;
-  std::vector<float> tile_queries, tile_scores, tile_inv_sums;  // AttendTile's
+  std::vector<float> tile_queries, tile_scores, tile_inv_sums, tile_out;  // AttendTile's
   std::vector<const void*> key_rows, value_rows;  // a tile's [D] rows, of Page elements
   std::vector<uint32_t> query_pairs, key_pairs, weight_pairs, value_pairs;  // TileBf16's
   // The tiles of a job share their keys (see AttendTiles): the rows above and their bfloat16 pairs
@@ -583,10 +583,10 @@ void AttendOne(const Problem<Page>& p, int64_t row, Scratch& scratch) {
 //   scores [keys, lanes] = keys [keys, D] . queries^T [D, lanes], kKeyTile keys at a time, a key's
 //   element broadcast against a vector of lanes' query elements (the queries transposed once);
 //   out [lanes, D] = weights^T [lanes, keys] . values [keys, D], R lanes at a time, a lane's weight
-//   broadcast against the value's D elements.
+//   broadcast against the value's D elements (with AVX-512; for AVX2's 16 registers, see WeightedSumByD).
 // Every lane's softmax is masked to its own causal (and window) range; lanes past tokens x G repeat
 // the first token's range and are not written.
-constexpr int kTileVectors = kLanes == 16 ? 3 : 2;
+constexpr int kTileVectors = 3;  // 48 lanes with AVX-512, 24 with AVX2: 16 or 8 tokens at group 3
 constexpr int kTileLanes = kTileVectors * kLanes;
 constexpr int kKeyTile = kLanes == 16 ? 8 : 4;  // kKeyTile x kTileVectors accumulators + kTileVectors
 constexpr int64_t kMinTileTokens = 4;           // shorter runs go row by row
@@ -873,6 +873,47 @@ struct TileBf16 {
   static Vec Odds(Vec a, Vec b) { return Odds(a, b, std::make_integer_sequence<int, kLanes>()); }
 };
 
+// The weighted sum for 16 vector registers (AVX2), where out [lanes, D] with R lanes at a time either
+// spills its accumulators (R = 2 takes 16 of them beside a value's 8 vectors at D = 64) or reads
+// every value once per lane: out^T [D, lanes] = values^T [D, keys] . weights [keys, lanes] instead,
+// kDBlock elements of D at a time, each broadcast against the weights' kTileVectors lane vectors
+// (kDBlock x kTileVectors accumulators). The keys go in blocks of kKeyBlock, whose values stay in L1
+// while D's blocks pass over them; out^T is carried between blocks in scratch and transposed back at
+// the end, times each lane's 1 / softmax sum.
+template <int DV, typename Page>
+void WeightedSumByD(const Problem<Page>& p, const TileJob& job, int64_t count, Scratch& scratch) {
+  constexpr int64_t D = DV * kLanes, kDBlock = 4, kKeyBlock = 64;
+  static_assert(D % kDBlock == 0, "whole blocks of D");
+  auto& out_t = scratch.tile_out;  // [D, kTileLanes]
+  out_t.assign(D * kTileLanes, 0.0f);
+  const float* weights = scratch.tile_scores.data();
+  for (int64_t k0 = 0; k0 < count; k0 += kKeyBlock) {
+    const int64_t k1 = std::min(count, k0 + kKeyBlock);
+    for (int64_t d0 = 0; d0 < D; d0 += kDBlock) {
+      float* sums = out_t.data() + d0 * kTileLanes;
+      Vec acc[kDBlock][kTileVectors];
+      for (int d = 0; d < kDBlock; ++d)
+        for (int v = 0; v < kTileVectors; ++v) acc[d][v] = Load(sums + d * kTileLanes + v * kLanes);
+      for (int64_t i = k0; i < k1; ++i) {
+        const Page* value = static_cast<const Page*>(scratch.value_rows[i]) + d0;
+        Vec w[kTileVectors];
+        for (int v = 0; v < kTileVectors; ++v) w[v] = Load(weights + i * kTileLanes + v * kLanes);
+        for (int d = 0; d < kDBlock; ++d) {
+          const float x = Widen(value[d]);
+          for (int v = 0; v < kTileVectors; ++v) acc[d][v] += x * w[v];
+        }
+      }
+      for (int d = 0; d < kDBlock; ++d)
+        for (int v = 0; v < kTileVectors; ++v) Store(sums + d * kTileLanes + v * kLanes, acc[d][v]);
+    }
+  }
+  const float* inv_sums = scratch.tile_inv_sums.data();
+  for (int64_t lane = 0; lane < job.tokens * p.group; ++lane) {
+    float* out = p.out + (job.first_row + lane / p.group) * p.num_heads * D + (job.kv_head * p.group + lane % p.group) * D;
+    for (int64_t d = 0; d < D; ++d) out[d] = out_t[d * kTileLanes + lane] * inv_sums[lane];
+  }
+}
+
 template <typename Page, int DV, int R>
 void AttendTile(const Problem<Page>& p, const TileJob& job, Scratch& scratch) {
   constexpr int64_t D = DV * kLanes;
@@ -952,6 +993,10 @@ void AttendTile(const Problem<Page>& p, const TileJob& job, Scratch& scratch) {
 
   if (kBf16Products && p.bf16_products) {
     TileBf16<DV>::template WeightedSum<R>(p, job, count, scratch, amx);
+    return;
+  }
+  if constexpr (kLanes == 8) {
+    WeightedSumByD<DV>(p, job, count, scratch);
     return;
   }
   for (int64_t lane0 = 0; lane0 < lanes; lane0 += R) {
