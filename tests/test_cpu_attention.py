@@ -288,3 +288,34 @@ def test_loading_the_kernel_leaves_the_processs_floating_point_mode_alone():
     assert cpu_ffi.kernel_error() is None
     tiny = np.float32(1e-39)  # subnormal in float32
     assert tiny * np.float32(1.0) != 0 and np.finfo(np.float32).smallest_subnormal > 0
+
+
+def test_the_attention_microbenchmark_builds_causal_cases_and_times_each(tmp_path):
+    """benchmarks/bench_cpu_attention.py: a prompt case is one sequence's rows at consecutive positions
+    over distinct pages, a decode case one row per sequence; the FLOPs are the causal ones; each case
+    asked for gets a time in the JSON it writes, and an unknown case kind is refused by name."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from bench_cpu_attention import HEAD_DIM, HEADS, PAGE, build, main
+
+    rng = np.random.default_rng(0)
+    q, k, _, lens, seqs, tables, flop = build("prompt", 5, 30, jnp.float32, rng)
+    assert list(np.asarray(lens)) == [31, 32, 33, 34, 35] and not np.asarray(seqs).any()
+    assert q.shape == (5, HEADS, HEAD_DIM) and flop == 4 * HEADS * HEAD_DIM * (31 + 32 + 33 + 34 + 35)
+    assert tables.shape == (1, -(-35 // PAGE)) and len(set(np.asarray(tables).ravel())) == tables.size
+    assert int(np.asarray(tables).max()) < k.shape[1]
+    _, _, _, lens, seqs, tables, flop = build("decode", 3, 20, jnp.bfloat16, rng)
+    assert list(np.asarray(lens)) == [20] * 3 and list(np.asarray(seqs)) == [0, 1, 2]
+    assert len(set(np.asarray(tables).ravel())) == tables.size and flop == 4 * HEADS * HEAD_DIM * 60
+
+    out = tmp_path / "attention.json"
+    main(["--cases", "prompt:8:16", "decode:2:20", "--page-dtype", "bfloat16", "--repeats", "1", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["page_dtype"] == "bfloat16"
+    assert [r["case"] for r in saved["results"]] == ["prompt:8:16", "decode:2:20"]
+    assert all(r["ms"] > 0 and r["gflops"] > 0 for r in saved["results"])
+    with pytest.raises(SystemExit, match="unknown case kind 'chunk'"):
+        main(["--cases", "chunk:8:16", "--repeats", "1"])

@@ -498,11 +498,14 @@ using GroupedFn = void (*)(const Problem<Page>&, const RowKeys<Page>&, float*, c
 
 template <typename Page, int DV, int... G>
 constexpr std::array<GroupedFn<Page>, 9> GroupedFns(std::integer_sequence<int, G...>) {
-  return {nullptr, (G + 1 <= 16 / DV ? &AttendGrouped<Page, DV, G + 1> : nullptr)...};
+  return {nullptr, (G + 1 <= std::max(16 / DV, 4) ? &AttendGrouped<Page, DV, G + 1> : nullptr)...};
 }
 
-// AttendGrouped for (head_dim, group), or nullptr: head_dim 2, 4 or 8 vectors, groups up to 8, and
-// at most 16 registers of queries per group.
+// AttendGrouped for (head_dim, group), or nullptr: head_dim 2, 4 or 8 vectors, groups up to 8 with at
+// most 16 registers of queries per group, and groups up to 4 at any of those head_dims. Past 16 registers
+// (AVX2's 8 vectors of D = 64 at group 3 or 4) the queries are read from L1 as the multiplies' memory
+// operands: still several times the general loop's rate, which reduces every key's dot on its own
+// (one 8-row decode step at context 1,600 on AVX2: about 0.9 against 1.5-2.9 ms a layer).
 template <typename Page>
 GroupedFn<Page> GroupedFor(int64_t head_dim, int64_t group) {
   static constexpr auto kDv2 = GroupedFns<Page, 2>(std::make_integer_sequence<int, 8>());
