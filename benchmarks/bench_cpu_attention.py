@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -26,20 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_cpu_matmul import median_seconds  # noqa: E402
 from jaxserve.ops import cpu_ffi  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
-
-
-def median_seconds(fn, *args, repeats: int) -> float:
-    fn(*args).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(*args).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def build(kind: str, n: int, where: int, page_dtype, rng: np.random.Generator):
