@@ -68,6 +68,24 @@ def test_int8_matmul_is_the_product_of_the_quantized_operands(m, k, n, matmul_pa
 
 
 @needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_int8_products_at_full_scale_do_not_saturate(m, matmul_path):
+    """Every operand at +-127 (weights +-1, activations +-1): the sums of a few columns are as large as they
+    can be, every product +127 x 127 or every one -127 x 127, and others alternate. 16-bit pair sums of the
+    stored bytes (q + 128 = 255 or 1, x = +-127) would saturate there; the kernel's give x @ w exactly."""
+    k, n = 576, 96
+    rng = np.random.default_rng(m)
+    x = np.where(rng.random((m, k)) < 0.5, -1.0, 1.0).astype(np.float32)
+    w = np.where(rng.random((k, n)) < 0.5, -1.0, 1.0).astype(np.float32)
+    w[:, 0], w[:, 1], w[:, 2] = x[0], -x[0], 1.0  # row 0: +k, -k; column 2: the row's sum
+    packed = PackedWeight.pack(w, dtype=np.int8)
+    out = np.asarray(jax.jit(matmul)(jnp.asarray(x), jax.device_put(packed)))
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    assert exact[0, 0] == k and exact[0, 1] == -k
+    np.testing.assert_allclose(out, exact, rtol=1e-5, atol=1e-3)
+
+
+@needs_kernels
 @pytest.mark.parametrize("rows", [0, 5, 9, 24, 33, 40])
 def test_int8_gated_matmul_and_row_cut(rows, matmul_path):
     """silu(x @ w_gate) * (x @ w_up) from int8-packed [w_gate | w_up], only the first `rows` rows, zeros below."""
