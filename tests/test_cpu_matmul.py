@@ -33,7 +33,7 @@ def test_the_kernels_build_wherever_a_compiler_is_found():
     assert cpu_ffi.kernel_error() is None
 
 
-# One x86 target a family of the code paths the kernels choose at compile time: AVX2 (8 lanes, vpmaddwd),
+# One x86 target a family of the code paths the kernels choose at compile time: AVX2 (8 lanes, vpmaddubsw),
 # AVX-512 (16 lanes), AVX512-BF16 and VNNI, AMX tiles.
 X86_TARGETS = ("haswell", "skylake-avx512", "cooperlake", "sapphirerapids")
 
