@@ -9,8 +9,32 @@ import sys
 import tempfile
 from pathlib import Path
 
-import jax
-import pytest
+
+# The XLA flags users run with, kept for the tests that check users' arithmetic in a process of their own.
+USERS_XLA_FLAGS = os.environ.get("JAXSERVE_TEST_USERS_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+os.environ["JAXSERVE_TEST_USERS_XLA_FLAGS"] = USERS_XLA_FLAGS
+
+
+def _with_fast_cpu_codegen(flags: str) -> str:
+    """XLA_FLAGS with LLVM's optimization level 0 for the CPU code XLA emits, unless the flags set a level.
+
+    Compiling dominates this suite's time on a 2-core machine: the default model's step is 30 unrolled
+    layers, about 7 s an executable at XLA's default level and a little over half that at level 0 (2-core
+    AVX2 EPYC, 2026-12-02). Level 0 leaves XLA's own loops (norms, rotary embedding, sampling) unvectorized;
+    the matmuls and the attention are the C++ kernels' either way. It moves results in their last bits
+    (the default model's logprobs by about 1e-5), so tests/test_default_model.py also checks Hugging Face's
+    greedy tokens in a process at the users' flags. Speed is measured by the benchmarks, which do not import
+    this file. Set before JAX starts a backend, so that every process the tests start (servers, notebook
+    kernels, replicas) inherits it."""
+    if "xla_backend_optimization_level" in flags:
+        return flags
+    return f"{flags} --xla_backend_optimization_level=0".strip()
+
+
+os.environ["XLA_FLAGS"] = _with_fast_cpu_codegen(USERS_XLA_FLAGS)
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -72,6 +73,25 @@ def test_greedy_matches_hf_for_chat_and_plain_prompts(llm, prompts, hf_tokens):
     for prompt, out, expected in zip(prompts, outs, hf_tokens):
         assert out.outputs[0].token_ids == expected, llm.tokenizer.decode(prompt["prompt_token_ids"])
     assert "Paris" in outs[4].outputs[0].text
+
+
+USERS_GREEDY = """
+import json, sys
+from jaxserve import LLM, SamplingParams
+llm = LLM(None, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128, dtype="float32")
+outs = llm.generate(json.load(sys.stdin), SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+print(json.dumps([list(out.outputs[0].token_ids) for out in outs]))
+"""
+
+
+def test_greedy_matches_hf_compiled_as_users_compile(prompts, hf_tokens):
+    """The same 8 prompts' tokens in a process at the users' XLA flags: the suite compiles XLA's own code at
+    LLVM level 0 to save time (tests/conftest.py), which moves results in their last bits."""
+    env = dict(os.environ, XLA_FLAGS=os.environ["JAXSERVE_TEST_USERS_XLA_FLAGS"])
+    result = subprocess.run([sys.executable, "-c", USERS_GREEDY], input=json.dumps(prompts), capture_output=True,
+                            text=True, timeout=900, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == hf_tokens
 
 
 # -m slow: in CI the default model split over 2 devices is checked by the notebook (the same text as one device)
