@@ -44,8 +44,9 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 from tiny_models import make_tiny_model  # noqa: E402
 
-# Every test session builds the C++ CPU attention kernel into its own cache (set before any test
-# module is collected, since collection already loads the kernel): the build itself is under test.
+# Every test session builds the C++ CPU kernels into a cache of its own (set before any test module is
+# collected, since collection already loads them): the build itself is under test. .ci/run gives its two
+# sessions one such cache, which the first builds.
 if "JAXSERVE_KERNEL_CACHE" not in os.environ:
     os.environ["JAXSERVE_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="jaxserve-kernels-")
     atexit.register(shutil.rmtree, os.environ["JAXSERVE_KERNEL_CACHE"], ignore_errors=True)

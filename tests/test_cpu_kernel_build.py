@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -153,3 +155,52 @@ def test_the_kernel_cache_this_user_alone_can_write_to_is_used(tmp_path, monkeyp
     monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path / "kernels"))
     assert cpu_ffi.library_path("c++").parent == tmp_path / "kernels"
     assert (tmp_path / "kernels").stat().st_mode & 0o022 == 0
+
+
+# A stand-in compiler that records each call and makes its output (-o, the last argument). A compile (-c) first
+# waits, up to 20 s, until every source's compile has started, and records how many it saw; a link takes {link_s}.
+RECORDING_COMPILER = r"""
+dir="$(dirname "$0")"
+eval out=\${$#}
+echo "$*" >> "$dir/calls"
+case "$*" in *" -c "*)
+  touch "$dir/started.$$"
+  n=0
+  while [ "$(ls "$dir"/started.* | wc -l)" -lt {sources} ] && [ $n -lt 200 ]; do sleep 0.1; n=$((n+1)); done
+  ls "$dir"/started.* | wc -l >> "$dir/seen";;
+*) sleep {link_s};;
+esac
+: > "$out"
+"""
+
+
+def test_each_source_compiles_in_a_process_of_its_own_beside_the_others_then_links(tmp_path):
+    sources = []
+    for name in ("a", "b", "c"):
+        sources.append(tmp_path / f"{name}.cc")
+        sources[-1].write_text("int f() { return 1; }\n")
+    compiler = fake_compiler(tmp_path, RECORDING_COMPILER.replace("{sources}", "3").replace("{link_s}", "0"))
+    library = tmp_path / "lib" / "k.so"
+    assert cpu_ffi.build_library(str(compiler), tuple(sources), library, timeout_s=120) is None
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert len(calls) == 4 and sorted(" -c " in call for call in calls) == [False, True, True, True], calls
+    assert (tmp_path / "seen").read_text().split() == ["3", "3", "3"]  # all three compiling at once
+    assert calls[-1].endswith(".so") and " -shared " in calls[-1]  # linked last, into the library
+    assert sorted(p.name for p in library.parent.iterdir()) == ["k.so"]  # no objects left behind
+
+
+def test_two_processes_starting_at_once_build_the_kernels_once(tmp_path):
+    """The second waits for the first one's build (a lock beside the library) and loads that."""
+    recording = RECORDING_COMPILER.replace("{sources}", str(len(cpu_ffi.SOURCES)))
+    compiler = fake_compiler(tmp_path, recording.replace("{link_s}", "5"))  # a window for a second build
+    env = dict(os.environ, CXX=str(compiler), JAXSERVE_KERNEL_CACHE=str(tmp_path / "kernels"))
+    code = "from jaxserve.ops import cpu_ffi; print(cpu_ffi.kernel_error())"
+    processes = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [process.communicate(timeout=300) for process in processes]
+    builds = [err.count("building the CPU kernels") for _, err in outputs]
+    assert sorted(builds) == [0, 1], outputs
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert len(calls) == len(cpu_ffi.SOURCES) + 1, calls
+    # the stand-in compiler's empty library cannot be loaded: both say so, the waiting one included
+    assert all("cannot load the CPU kernels" in out for out, _ in outputs), outputs
