@@ -1,15 +1,19 @@
 """The C++ paged attention on the CPU (`paged_row_attention`) for one layer of the default model, by case.
 
     python benchmarks/bench_cpu_attention.py [--cases prompt:512:0 prompt:512:1024 decode:32:384]
-                                             [--page-dtype float32|bfloat16] [--repeats 11] [--out FILE]
+                                             [--page-dtype float32|bfloat16] [--bf16-products]
+                                             [--repeats 11] [--out FILE]
 
 The heads are the default model's (SmolLM2-135M: 9 query heads over 3 KV heads of 64), pages of 16
 tokens scattered at random over a pool. A case `prompt:N:START` is one prompt chunk of N rows at positions
 START..START+N-1 (each row attending causally to the keys up to its own), `decode:B:CTX` is B decode rows
 each at context CTX. Each call is jitted once and timed `--repeats` times after a warm-up; the median is
-kept. GFLOP/s counts the causal products only (2 x 2 x heads x head_dim per query row and key it attends
-to), so it is comparable with a matmul's rate on the same CPU (benchmarks/bench_cpu_matmul.py). Prints
-the CPU's flags; comparisons mean something within one run only.
+kept. `--bf16-products` gives the kernel bfloat16 operands for its prompt tiles' products (and a decode
+row's scores over bfloat16 pages), as the engine does under `cpu-bf16` on a CPU with AVX512-BF16 or AMX;
+without it the products are float32, as under `--dtype float32`. GFLOP/s counts the causal products only
+(2 x 2 x heads x head_dim per query row and key it attends to), so it is comparable with a matmul's rate on
+the same CPU (benchmarks/bench_cpu_matmul.py). Prints the CPU's flags; comparisons mean something within one
+run only.
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--cases", nargs="+", default=["prompt:512:0", "prompt:512:512", "prompt:512:1024",
                                                        "decode:1:1024", "decode:32:384"])
     parser.add_argument("--page-dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--bf16-products", action="store_true",
+                        help="bfloat16 operands for the products, as the engine's cpu-bf16 attention backend")
     parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -65,10 +71,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit(f"the CPU kernels are unavailable: {cpu_ffi.kernel_error()}")
     flags = " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
                      if f in cpu_ffi.cpu_features().split())
-    print(f"CPU flags: {flags}; pages: {args.page_dtype}; median of {args.repeats}", flush=True)
+    products = "bfloat16" if args.bf16_products else "float32"
+    print(f"CPU flags: {flags}; pages: {args.page_dtype}; products: {products}; median of {args.repeats}", flush=True)
     rng = np.random.default_rng(0)
     attend = jax.jit(lambda q, k, v, lens, seqs, tables: cpu_ffi.paged_row_attention(
-        q, k, v, 0, lens, seqs, tables, scale=HEAD_DIM ** -0.5))
+        q, k, v, 0, lens, seqs, tables, scale=HEAD_DIM ** -0.5, bf16_products=args.bf16_products))
     results = []
     for case in args.cases:
         kind, n, where = case.split(":")
@@ -79,7 +86,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         results.append({"case": case, "ms": seconds * 1e3, "gflops": flop / seconds / 1e9})
         print(f"{case:18s} {seconds * 1e3:9.3f} ms {flop / seconds / 1e9:7.1f} GFLOP/s", flush=True)
     if args.out:
-        args.out.write_text(json.dumps({"cpu_flags": flags, "page_dtype": args.page_dtype, "results": results},
+        args.out.write_text(json.dumps({"cpu_flags": flags, "page_dtype": args.page_dtype, "products": products,
+                                        "results": results},
                                        indent=1))
     return results
 

@@ -50,6 +50,8 @@ GPU = KindDefaults("a GPU", "bfloat16", 128, 2048, None, None, "the engine measu
 
 # auto: the Pallas kernels on a Hopper GPU when the model fits them, the C++ kernel of cpu_ffi.py on a
 # CPU for a float32 engine (float32 or bfloat16 pages), else XLA (attention_backends.py says why it chose).
+# Under auto the C++ kernel multiplies its prompt tiles in bfloat16 where the matmuls are cpu-bf16, or int8 on
+# a CPU with AVX512-BF16 (paired_attention_backend); an explicit cpu keeps float32 products.
 ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas", "pallas-interpret")
 # auto: the C++ packed-weight matmul on a CPU (float32) when it builds, else XLA's dot. cpu-bf16: the same
 # kernel with bfloat16 weights (x rounded to bfloat16, float32 sums; activations stay float32, the KV

@@ -97,7 +97,8 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, device: DeviceInfo
     return ResolvedConfig(
         engine=engine, requested=cfg, model=model_cfg, device_model=device_model, layout=layout, device=device,
         platform=compiled_for, chosen=chosen,
-        attention_backend=paired_attention_backend(attention, matmul), matmul_backend=matmul,
+        attention_backend=paired_attention_backend(attention, matmul, engine.attention_backend, packed_dtype),
+        matmul_backend=matmul,
         half_precision=half_precision, packed_dtype=packed_dtype,
         quantization=engine.quantization if packed_dtype is None else None,
         sampler_branches=compiled_for != "gpu", kv_tile=min(engine.kv_tile, engine.max_model_len),
