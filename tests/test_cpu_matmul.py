@@ -118,6 +118,33 @@ def test_only_the_real_rows_are_multiplied_and_the_padding_rows_are_zeros(rows):
 
 
 @needs_kernels
+@pytest.mark.parametrize("m, rows", [(1, 1), (8, 8), (32, 32), (40, 27), (130, 130)])
+def test_a_bfloat16_gated_result_is_the_float32_one_as_xla_rounds_it_and_down_takes_it_unconverted(m, rows):
+    """With bfloat16 weights, out_dtype bfloat16 has the gated kernel write its result rounded (the input of
+    down_proj's bfloat16 matmul): bit for bit the float32 result rounded by XLA's convert, padding rows
+    zeros, NaN kept; and the jitted pair gated -> down holds no convert between the two kernel calls."""
+    rng = np.random.default_rng(m)
+    x = rng.standard_normal((m, 576), np.float32)
+    w = jax.device_put(PackedWeight.pack(rng.standard_normal((576, 2 * 192), np.float32) * 0.1, 1, jnp.bfloat16))
+    x[0, :] = np.nan if m > 1 else x[0, :]  # a NaN row stays NaN
+    gated = jax.jit(silu_gated_matmul, static_argnames="out_dtype")
+    rounded = np.asarray(gated(jnp.asarray(x), w, jnp.int32(rows), out_dtype=jnp.bfloat16))
+    as_xla = np.asarray(gated(jnp.asarray(x), w, jnp.int32(rows)).astype(jnp.bfloat16))
+    assert rounded.dtype == jnp.bfloat16 and rounded.shape == (m, 192)
+    np.testing.assert_array_equal(rounded.view(np.uint16)[1:], as_xla.view(np.uint16)[1:])
+    assert np.isnan(rounded[0].astype(np.float32)).all() == (m > 1)
+    assert not rounded[rows:].astype(np.float32).any()
+    down = jax.device_put(PackedWeight.pack(rng.standard_normal((192, 96), np.float32), 1, jnp.bfloat16))
+
+    def mlp(x, rows):
+        return matmul(silu_gated_matmul(x, w, rows, out_dtype=jnp.bfloat16), down, rows)
+
+    hlo = jax.jit(mlp).lower(jnp.asarray(x), jnp.int32(rows)).compile().as_text()
+    # one convert: x rounded for the gated kernel; none between the two calls
+    assert "jaxserve_packed_gated_matmul_bf16_out" in hlo and hlo.count(" convert(") == 1, hlo
+
+
+@needs_kernels
 def test_silu_gated_matmul_keeps_xla_for_halves_that_are_not_whole_panels():
     x = np.random.default_rng(1).standard_normal((3, 8), np.float32)
     w = np.random.default_rng(2).standard_normal((8, 2 * 40), np.float32)

@@ -24,7 +24,7 @@ from jaxserve.ops.attention_backends import paged_attention, write_kv
 from jaxserve.config.model_config import ModelConfig
 from jaxserve.ops.linear import matmul, silu_gated_matmul
 from jaxserve.ops.lora import GATE_UP, QKV, TokenSlots, delta, fused_delta, with_lora
-from jaxserve.ops.packed_matmul import PackedWeight
+from jaxserve.ops.packed_matmul import PackedWeight, kernel_input_dtype
 from jaxserve.ops.quantized import QuantizedWeight
 
 KVCache = tuple[jax.Array, jax.Array]  # (k_pages, v_pages), see attention.py for the layout
@@ -145,7 +145,10 @@ def _mlp(cfg: ModelConfig, lp, x, rows, lora: dict | None = None, lora_mask=None
     activation (inside the C++ gated kernel where it runs), and down_proj's to this device's partial sum."""
     add = None if lora is None else fused_delta(x, lora, GATE_UP, lora_mask)
     if cfg.hidden_act == "silu":
-        act_up = silu_gated_matmul(x, lp["w_gate_up"], rows, add)
+        # bfloat16 down_proj weights take the activations rounded: the gated kernel rounds them as it writes
+        # them (LoRA's down_proj delta reads them unrounded)
+        out_dtype = kernel_input_dtype(lp["w_down"]) if lora is None else None
+        act_up = silu_gated_matmul(x, lp["w_gate_up"], rows, add, out_dtype=out_dtype)
     else:
         gate_up = matmul(x, lp["w_gate_up"], rows)
         gate, up = jnp.split(gate_up if add is None else gate_up + add.astype(gate_up.dtype), 2, axis=-1)

@@ -74,6 +74,7 @@ TARGETS = {  # FFI target -> handler symbol
     "jaxserve_packed_gated_matmul": "JaxservePackedGatedMatmul",
     "jaxserve_packed_matmul_bf16": "JaxservePackedMatmulBf16",
     "jaxserve_packed_gated_matmul_bf16": "JaxservePackedGatedMatmulBf16",
+    "jaxserve_packed_gated_matmul_bf16_out": "JaxservePackedGatedMatmulBf16Out",
     "jaxserve_packed_gated_matmul_add": "JaxservePackedGatedMatmulAdd",
     "jaxserve_packed_gated_matmul_add_bf16": "JaxservePackedGatedMatmulAddBf16",
     "jaxserve_packed_matmul_int8": "JaxservePackedMatmulInt8",

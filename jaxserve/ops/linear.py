@@ -22,14 +22,15 @@ def matmul(x, w, rows=None):
     return x @ w
 
 
-def silu_gated_matmul(x, w, rows=None, add=None):
+def silu_gated_matmul(x, w, rows=None, add=None, out_dtype=None):
     """silu(x @ w_gate) * (x @ w_up) for w = [w_gate | w_up]: one C++ kernel call where it can (see
     `packed_matmul.silu_gated_matmul`), else the matmul and XLA. add (LoRA's deltas [M, 2 I]) or None:
-    added to x @ w before the activation."""
+    added to x @ w before the activation. out_dtype: the result's dtype, or None: as computed."""
     if isinstance(w, PackedWeight):
-        return packed_matmul.silu_gated_matmul(x, w, rows, add)
+        return packed_matmul.silu_gated_matmul(x, w, rows, add, out_dtype)
     gate_up = matmul(x, w, rows)
     if add is not None:
         gate_up = gate_up + add.astype(gate_up.dtype)
     gate, up = jnp.split(gate_up, 2, axis=-1)
-    return jax.nn.silu(gate) * up
+    out = jax.nn.silu(gate) * up
+    return out if out_dtype is None else out.astype(out_dtype)

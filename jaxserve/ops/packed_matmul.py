@@ -131,12 +131,16 @@ def _rows_operand(x, rows):
     return jnp.asarray(x.shape[0] if rows is None else rows, jnp.int32)
 
 
-def _packed_call(target: str, x, w: PackedWeight, columns: int, rows, *extra):
+def _packed_call(target: str, x, w: PackedWeight, columns: int, rows, *extra, bf16_out: bool = False):
     """The kernel `target` (its _bf16 twin for bfloat16 weights, x rounded to bfloat16; its _int8 twin for
-    int8 weights, x quantized in the kernel in groups of int8_group(K)) -> [M, columns]; `extra` operands
-    follow rows."""
-    assert x.dtype == jnp.float32, "the CPU matmul kernel takes float32 activations"
-    out = jax.ShapeDtypeStruct((x.shape[0], columns), jnp.float32)
+    int8 weights, x quantized in the kernel in groups of int8_group(K)) -> [M, columns] float32 (bf16_out:
+    bfloat16, from the _bf16_out twin); `extra` operands follow rows."""
+    assert x.dtype == jnp.float32 or (x.dtype == jnp.bfloat16 and w.data.dtype == jnp.bfloat16), \
+        "the CPU matmul kernel takes float32 activations (bfloat16 ones for bfloat16 weights)"
+    out = jax.ShapeDtypeStruct((x.shape[0], columns), jnp.bfloat16 if bf16_out else jnp.float32)
+    if bf16_out:
+        assert w.data.dtype == jnp.bfloat16 and not extra, "a bfloat16 result comes from bfloat16 weights"
+        return jax.ffi.ffi_call(f"{target}_bf16_out", out)(x.astype(jnp.bfloat16), w.data, _rows_operand(x, rows))
     if w.scale is not None:
         assert w.data.dtype == jnp.uint8, w.data.dtype
         group = np.int64(int8_group(x.shape[1]))
@@ -159,18 +163,30 @@ def matmul(x, w, rows=None):
     return _packed_call("jaxserve_packed_matmul", x, w, w.n, rows)
 
 
-def silu_gated_matmul(x, w, rows=None, add=None):
+def kernel_input_dtype(w):
+    """The dtype `matmul` hands w's kernel its activations in: bfloat16 for bfloat16 weights (rounded from
+    float32 by XLA before the call, unless they come as bfloat16), else None (float32, or XLA's dot)."""
+    return jnp.bfloat16 if isinstance(w, PackedWeight) and w.data.dtype == jnp.bfloat16 else None
+
+
+def silu_gated_matmul(x, w, rows=None, add=None, out_dtype=None):
     """silu(x @ w_gate) * (x @ w_up) for w = [w_gate | w_up] [K, 2 I]: one kernel call for a PackedWeight
     whose halves are whole panels (I a multiple of PANEL_WIDTH), else matmul and XLA. rows: as for matmul.
     add [M, 2 I] float32 (LoRA's deltas), or None: added to x @ w before the activation (in the kernel for
-    float32 and bfloat16 weights)."""
+    float32 and bfloat16 weights). out_dtype: the result's dtype (None: the kernel's float32, or XLA's);
+    bfloat16 with bfloat16 weights and no add comes out of the kernel already rounded, the way the next
+    bfloat16 matmul takes it (`kernel_input_dtype`), so no convert runs between the two calls."""
     if isinstance(w, PackedWeight) and w.n % (2 * PANEL_WIDTH) == 0:
         if add is None:
-            return _packed_call("jaxserve_packed_gated_matmul", x, w, w.n // 2, rows)
+            bf16_out = out_dtype == jnp.bfloat16 and w.data.dtype == jnp.bfloat16
+            out = _packed_call("jaxserve_packed_gated_matmul", x, w, w.n // 2, rows, bf16_out=bf16_out)
+            return out if out_dtype is None else out.astype(out_dtype)
         if w.scale is None:
-            return _packed_call("jaxserve_packed_gated_matmul_add", x, w, w.n // 2, rows, add.astype(jnp.float32))
+            out = _packed_call("jaxserve_packed_gated_matmul_add", x, w, w.n // 2, rows, add.astype(jnp.float32))
+            return out if out_dtype is None else out.astype(out_dtype)
     gate_up = matmul(x, w, rows)
     if add is not None:
         gate_up = gate_up + add.astype(gate_up.dtype)
     gate, up = jnp.split(gate_up, 2, axis=-1)
-    return jax.nn.silu(gate) * up
+    out = jax.nn.silu(gate) * up
+    return out if out_dtype is None else out.astype(out_dtype)

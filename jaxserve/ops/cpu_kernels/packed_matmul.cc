@@ -187,6 +187,8 @@ struct Problem {
   const float* w_scale = nullptr;
   // gated only, or null: [m, n] float32 added to x @ [w_gate | w_up] before the activation (LoRA's deltas)
   const float* add = nullptr;
+  // gated only, or null: the output [M, N / 2] in bfloat16 bits, written here instead of y
+  uint16_t* y_bf16 = nullptr;
 
   const Elem* panel(int64_t b) const { return b < 0 ? nullptr : w + b * steps * kPanelWidth; }
   // The output of a tile's accumulator for `row` and `column`'s vector: int8 sums still want the offset
@@ -299,6 +301,16 @@ void Tile(const Problem<T>& p, int64_t row, int64_t panel, int64_t columns, cons
   }
 }
 
+// v rounded to bfloat16 (to nearest even, as XLA's convert rounds; NaN stays NaN) into out[0..kLanes-1].
+inline void StoreBf16(uint16_t* out, Vec v) {
+  jaxserve::UintVec bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const jaxserve::UintVec rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const auto nan = (jaxserve::UintVec)((bits & 0x7fffffffu) > 0x7f800000u);  // all ones where v is NaN
+  const jaxserve::UintVec result = (rounded & ~nan) | (((bits >> 16) | 0x40u) & nan);
+  *reinterpret_cast<jaxserve::UnalignedBf16Vec*>(out) = __builtin_convertvector(result, jaxserve::UnalignedBf16Vec);
+}
+
 // The gated output for row `row` + r and vector j of gate panel `panel`: silu(gate + add) * (up + add).
 template <typename T>
 inline void StoreGated(const Problem<T>& p, int64_t row, int64_t panel, int r, int j, Vec gate, Vec up_value) {
@@ -308,7 +320,9 @@ inline void StoreGated(const Problem<T>& p, int64_t row, int64_t panel, int r, i
     gate += Load(add_row);
     up_value += Load(add_row + p.n / 2);
   }
-  Store(p.y + (row + r) * (p.n / 2) + column, jaxserve::Silu(gate) * up_value);
+  const int64_t at = (row + r) * (p.n / 2) + column;
+  if (p.y_bf16 != nullptr) return StoreBf16(p.y_bf16 + at, jaxserve::Silu(gate) * up_value);
+  Store(p.y + at, jaxserve::Silu(gate) * up_value);
 }
 
 // StoreGated for rows row..row + rows - 1 from their gate and up sums, [rows, kPanelWidth] each.
@@ -715,6 +729,25 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<kXType<T>> x, ffi::Buffer<kW
   return RunMatmul<T, kGated>(pool, x, w, rows, nullptr, y);
 }
 
+// The bfloat16 gated matmul with its output in bfloat16, rounded as XLA's convert would round it: the
+// input of down_proj's bfloat16 matmul, which then needs no convert between the two calls.
+ffi::Error GatedMatmulBf16Out(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                              ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::BF16> y) {
+  const auto y_dims = y->dimensions();
+  if (!ShapesMatch<Bf16Pairs, true>(x.dimensions(), w.dimensions(), y_dims) || rows.element_count() != 1) {
+    return ffi::Error::InvalidArgument(KernelName<Bf16Pairs, true>() + "_bf16_out: operand shapes do not match");
+  }
+  const int64_t m = std::clamp<int64_t>(rows.typed_data()[0], 0, y_dims[0]);
+  auto* out = static_cast<uint16_t*>(y->untyped_data());
+  std::fill(out + m * y_dims[1], out + y_dims[0] * y_dims[1], uint16_t{0});
+  Problem<Bf16Pairs> problem{static_cast<const uint32_t*>(x.untyped_data()),
+                             static_cast<const uint32_t*>(w.untyped_data()), nullptr, m, x.dimensions()[1] / 2,
+                             2 * y_dims[1], w.dimensions()[0]};
+  problem.y_bf16 = out;
+  Run<Bf16Pairs, true>(pool, problem);
+  return ffi::Error::Success();
+}
+
 // The gated matmul with add [M, N] (float32) added to x @ [w_gate | w_up] before the activation: a LoRA
 // adapter's deltas for the two projections (jaxserve/ops/lora.py), without unfusing the kernel.
 template <typename T>
@@ -881,6 +914,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedMatmul, (Matmul<F32, false>), Matmul
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedGatedMatmul, (Matmul<F32, true>), MatmulBinding<F32>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedMatmulBf16, (Matmul<Bf16Pairs, false>), MatmulBinding<Bf16Pairs>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedGatedMatmulBf16, (Matmul<Bf16Pairs, true>), MatmulBinding<Bf16Pairs>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedGatedMatmulBf16Out, GatedMatmulBf16Out,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedGatedMatmulAdd, GatedMatmulAdd<F32>, GatedMatmulAddBinding<F32>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedGatedMatmulAddBf16, GatedMatmulAdd<Bf16Pairs>,
                               GatedMatmulAddBinding<Bf16Pairs>());
