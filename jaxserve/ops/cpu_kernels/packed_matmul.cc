@@ -72,6 +72,7 @@
 #endif
 #include <cmath>
 #include <memory>
+#include <vector>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -847,16 +848,22 @@ ffi::Error MatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
                                        + " is no multiple of 4 that divides K = " + std::to_string(k));
   }
   const int64_t m = ZeroPadding(rows, y), groups = k / group;
-  std::unique_ptr<uint32_t[]> quads(new uint32_t[m * k / 4]);
-  std::unique_ptr<float[]> x_scale(new float[m * groups]), x_offset(new float[m]);
-  QuantizeRows(pool, x.typed_data(), m, k, groups, reinterpret_cast<int8_t*>(quads.get()), x_scale.get(),
-               x_offset.get());
-  Problem<U8Quads> problem{quads.get(), reinterpret_cast<const uint32_t*>(w.untyped_data()), y->typed_data(), m,
+  // The quantized rows, their scales and offsets, in buffers this thread keeps from call to call: new ones
+  // each call (a prompt step's are 0.8 MB, past malloc's mmap threshold) cost fresh zeroed pages every time.
+  // A call runs on one thread, and ParallelFor's helpers only read them.
+  thread_local std::vector<uint32_t> quads;
+  thread_local std::vector<float> x_scale, x_offset;
+  quads.resize(std::max<size_t>(quads.size(), m * k / 4));
+  x_scale.resize(std::max<size_t>(x_scale.size(), m * groups));
+  x_offset.resize(std::max<size_t>(x_offset.size(), m));
+  QuantizeRows(pool, x.typed_data(), m, k, groups, reinterpret_cast<int8_t*>(quads.data()), x_scale.data(),
+               x_offset.data());
+  Problem<U8Quads> problem{quads.data(), reinterpret_cast<const uint32_t*>(w.untyped_data()), y->typed_data(), m,
                            k / 4, y->dimensions()[1] * (kGated ? 2 : 1), w.dimensions()[0]};
   problem.groups = groups;
   problem.group_steps = k / groups / 4;
-  problem.x_scale = x_scale.get();
-  problem.x_offset = x_offset.get();
+  problem.x_scale = x_scale.data();
+  problem.x_offset = x_offset.data();
   problem.w_scale = w_scale.typed_data();
   Run<U8Quads, kGated>(pool, problem);
   return ffi::Error::Success();
