@@ -176,17 +176,17 @@ def silu_gated_matmul(x, w, rows=None, add=None, out_dtype=None):
     float32 and bfloat16 weights). out_dtype: the result's dtype (None: the kernel's float32, or XLA's);
     bfloat16 with bfloat16 weights and no add comes out of the kernel already rounded, the way the next
     bfloat16 matmul takes it (`kernel_input_dtype`), so no convert runs between the two calls."""
+    out = None
     if isinstance(w, PackedWeight) and w.n % (2 * PANEL_WIDTH) == 0:
         if add is None:
             bf16_out = out_dtype == jnp.bfloat16 and w.data.dtype == jnp.bfloat16
             out = _packed_call("jaxserve_packed_gated_matmul", x, w, w.n // 2, rows, bf16_out=bf16_out)
-            return out if out_dtype is None else out.astype(out_dtype)
-        if w.scale is None:
+        elif w.scale is None:
             out = _packed_call("jaxserve_packed_gated_matmul_add", x, w, w.n // 2, rows, add.astype(jnp.float32))
-            return out if out_dtype is None else out.astype(out_dtype)
-    gate_up = matmul(x, w, rows)
-    if add is not None:
-        gate_up = gate_up + add.astype(gate_up.dtype)
-    gate, up = jnp.split(gate_up, 2, axis=-1)
-    out = jax.nn.silu(gate) * up
+    if out is None:
+        gate_up = matmul(x, w, rows)
+        if add is not None:
+            gate_up = gate_up + add.astype(gate_up.dtype)
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        out = jax.nn.silu(gate) * up
     return out if out_dtype is None else out.astype(out_dtype)

@@ -698,11 +698,13 @@ void Run(ffi::ThreadPool& pool, const Problem<T>& problem) {
   });
 }
 
-// The rows past the first m (a padded step's padding) are zeros.
-int64_t ZeroPadding(ffi::Buffer<ffi::S32>& rows, ffi::Result<ffi::Buffer<ffi::F32>>& y) {
+// The rows past the first m (a padded step's padding) are zeros, in y's type (float32 or bfloat16).
+template <ffi::DataType kYType>
+int64_t ZeroPadding(ffi::Buffer<ffi::S32>& rows, ffi::Result<ffi::Buffer<kYType>>& y) {
   const auto y_dims = y->dimensions();
   const int64_t m = std::clamp<int64_t>(rows.typed_data()[0], 0, y_dims[0]);
-  std::fill(y->typed_data() + m * y_dims[1], y->typed_data() + y_dims[0] * y_dims[1], 0.0f);
+  const int64_t row_bytes = y_dims[1] * static_cast<int64_t>(ffi::ByteWidth(kYType));
+  std::memset(static_cast<char*>(y->untyped_data()) + m * row_bytes, 0, (y_dims[0] - m) * row_bytes);
   return m;
 }
 
@@ -738,13 +740,11 @@ ffi::Error GatedMatmulBf16Out(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ff
   if (!ShapesMatch<Bf16Pairs, true>(x.dimensions(), w.dimensions(), y_dims) || rows.element_count() != 1) {
     return ffi::Error::InvalidArgument(KernelName<Bf16Pairs, true>() + "_bf16_out: operand shapes do not match");
   }
-  const int64_t m = std::clamp<int64_t>(rows.typed_data()[0], 0, y_dims[0]);
-  auto* out = static_cast<uint16_t*>(y->untyped_data());
-  std::fill(out + m * y_dims[1], out + y_dims[0] * y_dims[1], uint16_t{0});
+  const int64_t m = ZeroPadding(rows, y);
   Problem<Bf16Pairs> problem{static_cast<const uint32_t*>(x.untyped_data()),
                              static_cast<const uint32_t*>(w.untyped_data()), nullptr, m, x.dimensions()[1] / 2,
                              2 * y_dims[1], w.dimensions()[0]};
-  problem.y_bf16 = out;
+  problem.y_bf16 = static_cast<uint16_t*>(y->untyped_data());
   Run<Bf16Pairs, true>(pool, problem);
   return ffi::Error::Success();
 }
