@@ -3,7 +3,8 @@
 The settings (`SETTINGS`): float32 (the C++ float32 matmul), cpu-bf16 (bfloat16 weights and KV pages),
 int8 (int8 weights, W8A8, its default bfloat16 KV pages; on a CPU with AVX512-BF16 its attention's products in
 bfloat16), int8 with fp8 KV pages, int8 with float32 ones, and int8 with float32 attention products
-(`attention_backend="cpu"`, the default before 2026-12-03). For each batch size B, every
+(`attention_backend="cpu"`, the default before 2026-12-03), and fp8 (float8 e4m3 weights with bfloat16
+activations in the C++ matmul, W8A16, since 2026-12-04). For each batch size B, every
 setting runs the same B random prompts of P tokens, then N greedy decode steps, through its own
 `ModelRunner` (bench_steps.JaxserveBench: inputs built, the device call, on-device sampling, the host copy
 of the ids), the settings alternating within each round so load from elsewhere lands on all alike;
@@ -34,6 +35,7 @@ SETTINGS = {
     "int8 fp8-kv": {"quantization": "int8", "kv_cache_dtype": "fp8"},
     "int8 f32-kv": {"quantization": "int8", "kv_cache_dtype": "float32"},
     "int8 f32-attn": {"quantization": "int8", "attention_backend": "cpu"},
+    "fp8": {"quantization": "fp8"},
 }
 UNQUANTIZED = ("float32", "cpu-bf16")
 

@@ -1,7 +1,8 @@
 """Where a weight quantization's perplexity goes: the weights' rounding, or the activations'.
 
 `jaxserve bench quality --quantization Q` measures the setting as served (W8A8: the weights and each
-matmul's input both 8-bit). This runs the same measure three times, each engine built and freed in turn:
+matmul's input both 8-bit; fp8 on a CPU since 2026-12-04 W8A16, its inputs in bfloat16, so its split shows
+little between the two). This runs the same measure three times, each engine built and freed in turn:
 float32 (the reference), Q as served, and Q through XLA's dot with its weights widened to float32 before
 the dot and its activations left as they are (weight-only: the weights' rounding alone). It is an analysis,
 not a setting jaxserve serves. The weight-only engine runs `matmul_backend="xla"`, the path that holds

@@ -386,7 +386,7 @@ def test_int8_pairs_bfloat16_attention_products_where_the_cpu_has_avx512_bf16(mo
     assert paired_attention_backend("cpu", "cpu", packed_dtype="int8") == "cpu-bf16"
     assert paired_attention_backend("cpu", "cpu", requested="cpu", packed_dtype="int8") == "cpu"
     assert paired_attention_backend("xla", "cpu", packed_dtype="int8") == "xla"
-    assert paired_attention_backend("cpu", "cpu", packed_dtype="fp8") == "cpu"
+    assert paired_attention_backend("cpu", "cpu", packed_dtype="fp8") == "cpu-bf16"
     model = ModelConfig.from_hf(hf_config("llama"))
     int8 = resolve_config(EngineConfig(quantization="int8", max_model_len=64), model, platform="cpu")
     assert (int8.packed_dtype, int8.attention_backend) == ("int8", "cpu-bf16")

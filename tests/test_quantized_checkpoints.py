@@ -154,8 +154,8 @@ def test_the_weights_are_the_checkpoints_numbers(checkpoints, name):
 @pytest.mark.parametrize("matmul_backend", ["auto", "xla"])
 def test_logits_match_the_dequantized_float_model(checkpoints, name, matmul_backend):
     """The checkpoint's logits are its float reference's within the per-token quantization of the
-    activations (the weights are the same numbers on both sides), and their argmax agrees: the C++ int8
-    matmul (a CPU's default for int8) and XLA's 8-bit dot (int8; fp8, which runs XLA's dot on a CPU)."""
+    activations (the weights are the same numbers on both sides), and their argmax agrees: the C++
+    matmul (a CPU's default for int8 and fp8: fp8 as W8A16) and XLA's 8-bit dot (W8A8)."""
     path, reference = checkpoints[name]
     runner = _runner(path, matmul_backend=matmul_backend)
     kind = FORMATS[name.removesuffix(" untied")][1]

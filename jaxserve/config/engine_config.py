@@ -67,8 +67,9 @@ DTYPES = ("auto", "float32", "bfloat16")
 # float32's bytes, scale 1.0, every reader widens the pages in its kernel.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8", "fp8_e4m3", "float8_e4m3fn")
 # vLLM's names. int8: int8 weights with per-channel scales, activations quantized per token as each matmul
-# runs (W8A8; in the C++ CPU matmul, per group of a token's values); fp8: the same in float8 e4m3. Unset: the
-# checkpoint's own (a quantization_config), else none.
+# runs (W8A8; in the C++ CPU matmul, per group of a token's values); fp8: float8 e4m3 weights with per-channel
+# scales, on a GPU with fp8 activations (W8A8), in the C++ CPU matmul with bfloat16 ones (W8A16: a CPU has no
+# fp8 arithmetic). Unset: the checkpoint's own (a quantization_config), else none.
 QUANTIZATIONS = ("int8", "fp8")
 # vLLM's: fcfs orders by arrival alone; priority lets a request's `priority` (lower first) order admission and
 # choose preemption victims, so off by default: any client could otherwise jump the queue.
@@ -145,7 +146,8 @@ class EngineConfig:
     quantization: str | None = setting(
         None, "int8: the weight matrices in int8 with a scale per output channel, activations quantized per token "
               "as each matmul runs (the C++ CPU matmul's VNNI dot, or XLA's int8 dot); fp8: the same in float8 "
-              "e4m3 (XLA's fp8 GEMM on a Hopper GPU); default: none, or what the checkpoint declares",
+              "e4m3 (XLA's fp8 GEMM on a Hopper GPU; on a CPU the C++ matmul with bfloat16 activations, W8A16); "
+              "default: none, or what the checkpoint declares",
         choices=QUANTIZATIONS)
     seed: int = setting(0, "seed of the seeds drawn for requests that bring none (and of dummy weights)")
     load_format: str = setting(

@@ -28,19 +28,21 @@ def log_engine_shape(runner: ModelRunner, source: str) -> None:
 
 
 def describe_weights(runner: ModelRunner) -> str:
-    """How the weight matrices are held: "int8 (W8A8, the C++ matmul)", "fp8 (W8A8, XLA's dot)", "bfloat16 ..."."""
+    """How the weight matrices are held: "int8 (W8A8, the C++ matmul)", "fp8 (W8A16, the C++ matmul)", "fp8
+    (W8A8, XLA's dot)", "bfloat16 ..."."""
     resolved = runner.resolved
     quantization = quantization_in_use(runner)
     where = "the C++ matmul" if resolved.packed_dtype else "XLA's dot"
-    if quantization:
-        return f"{quantization} (W8A8, {where})"
+    if quantization:  # the C++ matmul's fp8 weights take bfloat16 activations; every other 8-bit kind, 8-bit ones
+        scheme = "W8A16" if resolved.packed_dtype == "fp8" else "W8A8"
+        return f"{quantization} ({scheme}, {where})"
     return f"{resolved.packed_dtype or resolved.engine.dtype} ({where})"
 
 
 def quantization_in_use(runner: ModelRunner) -> str | None:
     """The weights' quantization ("int8", "fp8"), None for float weights."""
     resolved = runner.resolved
-    return resolved.quantization or ("int8" if resolved.packed_dtype == "int8" else None)
+    return resolved.quantization or (resolved.packed_dtype if resolved.packed_dtype in ("int8", "fp8") else None)
 
 
 def log_warmup(summary: dict) -> None:

@@ -81,7 +81,8 @@ def serving_params(cfg: ModelConfig, params, packed: bool = False, num_shards: i
 
     packed: the weight matrices become `PackedWeight`s for the C++ CPU matmul, the LM head included;
     a tied LM head is then the only copy of the embeddings (forward looks tokens up in it). packed_dtype:
-    the packed matrices' dtype, float32, bfloat16 (rounded) or int8 (per-column scales); the rest of the
+    the packed matrices' dtype, float32, bfloat16 (rounded), int8 or fp8 (per-column scales; fp8 keeps the
+    LM head unquantized: `_packed_lm_head_dtype`); the rest of the
     params stay as they are. quantization ("int8", "fp8"; unpacked only): the matrices become
     `QuantizedWeight`s for XLA's 8-bit dot, and the LM head too under int8 (QUANTIZED_LM_HEADS; a tied
     model keeps its float embeddings for the lookup).
@@ -110,7 +111,7 @@ def serving_params(cfg: ModelConfig, params, packed: bool = False, num_shards: i
                                 k_shards=1 if by_columns else num_shards)
         lm_head = out.pop("embed").T if cfg.tie_word_embeddings else out["lm_head"]
         pack = PackedWeight.from_quantized if isinstance(lm_head, QuantizedWeight) else PackedWeight.pack
-        out["lm_head"] = pack(lm_head, num_shards, packed_dtype)
+        out["lm_head"] = pack(lm_head, num_shards, _packed_lm_head_dtype(lm_head, packed_dtype))
     elif quantization:
         for lp in layers:
             for name in MATRICES:
@@ -126,6 +127,17 @@ def serving_params(cfg: ModelConfig, params, packed: bool = False, num_shards: i
 # (+4.73% with an fp8 LM head, +3.36% without; `jaxserve bench quality`). int8 quantizes it: at batch 1
 # the step is bound by the bytes it reads, and the LM head is a fifth of a small model's weights.
 QUANTIZED_LM_HEADS = ("int8",)
+
+
+def _packed_lm_head_dtype(lm_head, packed_dtype: str) -> str:
+    """The packed LM head's type: the matrices' own, but under fp8 (not in QUANTIZED_LM_HEADS) that of an
+    unquantized model on this CPU: bfloat16 where it multiplies bfloat16 fast (AVX512-BF16), else float32.
+    A checkpoint's quantized LM head stays as stored."""
+    if packed_dtype != "fp8" or isinstance(lm_head, QuantizedWeight):
+        return packed_dtype
+    from jaxserve.ops.cpu_ffi import bf16_dot_instructions
+
+    return "bfloat16" if bf16_dot_instructions() else "float32"
 
 
 def _quantized(w, kind: str) -> QuantizedWeight:

@@ -128,13 +128,6 @@ def resolve_matmul_backend(requested: str, engine_cfg: EngineConfig, platform: s
     platform = platform or jax.default_backend()
     if requested == "auto" and platform != "cpu":
         return "xla"
-    if engine_cfg.quantization == "fp8":  # the C++ matmul's 8-bit type is int8
-        if requested != "auto":
-            raise ValueError(f"matmul_backend={requested!r} has no fp8 weights: use quantization='int8' (the "
-                             f"fast 8-bit type on a CPU) or matmul_backend='xla'")
-        logger.warning("quantization='fp8' on a CPU runs XLA's dot (the C++ matmul's 8-bit type is int8, "
-                       "quantization='int8', which is faster here)")
-        return "xla"
     if requested == "cpu-bf16":
         reason = _cpu_kernel_error(engine_cfg, platform)
         if reason:
@@ -147,9 +140,10 @@ def paired_attention_backend(attention: str, matmul: str, requested: str = "auto
     """The resolved attention backend given the resolved matmul one: "cpu-bf16" (the C++ kernel with the
     products of its prompt tiles, and of decode rows over bfloat16 pages, in bfloat16:
     `cpu_ffi.paged_row_attention`'s bf16_products) where attention was left to choose (`requested` "auto")
-    and resolved to the C++ kernel, and the matmuls multiply in bfloat16 ("cpu-bf16") or in int8 (packed int8
-    weights, whose activations are rounded to 8 bits, far coarser than bfloat16's) on a CPU the kernels are
-    built for with AVX512-BF16; else `attention` unchanged. An explicit "cpu" keeps float32 products.
+    and resolved to the C++ kernel, and the matmuls multiply in bfloat16 ("cpu-bf16"), in int8 (packed int8
+    weights, whose activations are rounded to 8 bits, far coarser than bfloat16's) or in fp8 (packed e4m3
+    weights, bfloat16 activations) on a CPU the kernels are built for with AVX512-BF16; else `attention`
+    unchanged. An explicit "cpu" keeps float32 products.
 
     Under int8 on a 2-core AMD EPYC with AVX512-BF16 (2026-12-03, benchmarks/bench_quantization.py) the
     bfloat16 products gave 1.19x / 1.32x the prefill tokens/s at 1,024-token prompts (batch 1 / 8), decode
@@ -158,7 +152,7 @@ def paired_attention_backend(attention: str, matmul: str, requested: str = "auto
         return attention
     if matmul == "cpu-bf16":
         return "cpu-bf16"
-    if packed_dtype == "int8":
+    if packed_dtype in ("int8", "fp8"):
         from jaxserve.ops.cpu_ffi import bf16_dot_instructions
 
         return "cpu-bf16" if bf16_dot_instructions() else attention

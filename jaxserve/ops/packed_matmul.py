@@ -4,9 +4,11 @@ weights packed once at load (`PackedWeight`), and the calls the model makes (`ma
 XLA:CPU's dot runs the few-row matmuls of decode steps far below its large-matmul rate; with the weights
 packed in column panels the kernel keeps a few rows' accumulators in registers and streams each panel
 once, which is faster there and no slower on prompt-sized matmuls (benchmarks/results/cpu_kernels_history.md).
-Three weight types: float32; bfloat16 (`matmul_backend "cpu-bf16"`: x rounded to bfloat16, float32 sums,
+Four weight types: float32; bfloat16 (`matmul_backend "cpu-bf16"`: x rounded to bfloat16, float32 sums,
 vdpbf16ps on AVX512-BF16); int8 (`quantization "int8"`: per-column scales, x quantized in groups of its
-row's k, vpdpbusd on AVX512-VNNI).
+row's k, vpdpbusd on AVX512-VNNI); float8 e4m3 (`quantization "fp8"`: per-column scales, x in bfloat16, each
+weight widened to bfloat16 in the register and multiplied by vdpbf16ps: W8A16, as vLLM runs fp8 weights
+on GPUs without fp8 arithmetic).
 """
 
 from __future__ import annotations
@@ -40,16 +42,26 @@ class PackedWeight:
     data [panels, K / 2, 2 PANEL_WIDTH], rows 2i and 2i + 1 interleaved column by column, so that each
     32-bit lane holds the pair (w[2i, c], w[2i + 1, c]) the kernel multiplies at once. int8: data
     [panels, K / 4, 4 PANEL_WIDTH] uint8, four rows to a lane the same way, each q[k, c] + 128 (offset
-    binary: vpdpbusd's unsigned operand), w[k, c] ~= q[k, c] * scale[c]."""
+    binary: vpdpbusd's unsigned operand), w[k, c] ~= q[k, c] * scale[c]. fp8: data [panels, K / 2,
+    2 PANEL_WIDTH] float8_e4m3fn paired as bfloat16's, w[k, c] ~= q[k, c] * scale[c] / 2^FP8_SCALE_SHIFT
+    (the kernel's bfloat16 form of q is q * 2^-120 and its x is x * 2^64: `packed_matmul.cc`, F8Pairs),
+    no subnormal q (`_fp8_normal`)."""
 
     data: jax.Array
     n: int
-    scale: jax.Array | None = None  # int8: [panels * PANEL_WIDTH] float32, each column's scale
+    scale: jax.Array | None = None  # int8, fp8: [panels * PANEL_WIDTH] float32, each column's scale
+
+    @property
+    def kind(self) -> str:
+        """The weights' type: "float32", "bfloat16", "int8" or "fp8"."""
+        return {jnp.dtype(jnp.uint8): "int8", jnp.dtype(jnp.float8_e4m3fn): "fp8"}.get(jnp.dtype(self.data.dtype),
+                                                                                      jnp.dtype(self.data.dtype).name)
 
     @classmethod
     def pack(cls, w, num_shards: int = 1, dtype=np.float32, k_shards: int = 1) -> PackedWeight:
         """From w [K, n]; a numpy w is packed on the host, a jax one (or shapes) by XLA. dtype: float32,
-        bfloat16 (w rounded to it; K even) or int8 (each column's max |w| -> 127; K a multiple of 4).
+        bfloat16 (w rounded to it; K even), int8 (each column's max |w| -> 127; K a multiple of 4) or "fp8"
+        (each column's max |w| -> 448, rounded to float8 e4m3; K even).
 
         num_shards: w's columns are cut into that many equal blocks, each packed on its own and the
         panels concatenated, so that splitting `data` by panels gives each device its block's
@@ -59,6 +71,12 @@ class PackedWeight:
         xp = np if isinstance(w, np.ndarray) else jnp
         n = w.shape[1] // num_shards
         packed = _panels(w, num_shards, n, 0, xp)
+        if dtype == "fp8":
+            packed = packed.astype(xp.float32)
+            absmax = xp.max(xp.abs(packed), axis=1)  # [panels, PANEL_WIDTH]
+            scale = xp.where(absmax > 0, absmax * np.float32(1 / FP8_MAX), np.float32(1)).astype(xp.float32)
+            q = xp.clip(packed / scale[:, None, :], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+            return cls._from_fp8(q, scale.reshape(-1), n, xp)
         if np.dtype(dtype) == np.int8:
             packed = packed.astype(xp.float32)
             absmax = xp.max(xp.abs(packed), axis=1)  # [panels, PANEL_WIDTH]
@@ -75,15 +93,33 @@ class PackedWeight:
 
     @classmethod
     def from_quantized(cls, w: QuantizedWeight, num_shards: int = 1, dtype=np.int8, k_shards: int = 1) -> PackedWeight:
-        """An int8 `QuantizedWeight` [K, n] (a quantized checkpoint's) packed as `pack` packs int8, its
-        integers and column scales taken as they are: no second rounding. num_shards, k_shards: as `pack`'s;
-        dtype must be int8 (the one packed type that holds them)."""
-        assert np.dtype(dtype) == np.int8 and w.kind == "int8", f"{w.kind} weights packed as {np.dtype(dtype)}"
+        """An int8 or fp8 `QuantizedWeight` [K, n] (a quantized checkpoint's) packed as `pack` packs its
+        type, its values and column scales taken as they are: no second rounding (fp8's subnormals aside:
+        `_fp8_normal`). num_shards, k_shards: as `pack`'s; dtype must be the weight's own type."""
+        assert str(dtype) == w.kind == "fp8" or (np.dtype(dtype) == np.int8 and w.kind == "int8"), \
+            f"{w.kind} weights packed as {dtype}"
         xp = np if isinstance(w.data, np.ndarray) else jnp
         n = w.shape[1] // num_shards
-        q = _panels(w.data, num_shards, n, 0, xp)  # [panels, K, PANEL_WIDTH] int8
         scale = _panels(w.scale.astype(xp.float32)[None, :], num_shards, n, 1.0, xp)  # padding columns: scale 1
+        if w.kind == "fp8":  # padded through its bits (numpy pads no float8)
+            bits = _panels(_fp8_bits(w.data, xp), num_shards, n, 0, xp)
+            q = bits.view(jnp.float8_e4m3fn) if xp is np else jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn)
+            return cls._from_fp8(q, scale.reshape(-1), n, xp)
+        q = _panels(w.data, num_shards, n, 0, xp)  # [panels, K, PANEL_WIDTH] int8
         return cls._from_int8(q, scale.reshape(-1), n, k_shards, xp)
+
+    @classmethod
+    def _from_fp8(cls, q, scale, n: int, xp) -> PackedWeight:
+        """From q [panels, K, PANEL_WIDTH] float8_e4m3fn and scale [panels * PANEL_WIDTH]: the pairs of
+        `_fp8_normal(q)`, and the scales times 2^FP8_SCALE_SHIFT (exact)."""
+        panels, k, _ = q.shape
+        assert k % 2 == 0, f"fp8 packing pairs rows: K = {k} is odd"
+        pairs = _fp8_normal(q, xp).reshape(panels, k // 2, 2, PANEL_WIDTH).transpose(0, 1, 3, 2)
+        pairs = pairs.reshape(panels, k // 2, 2 * PANEL_WIDTH)
+        scale = (scale * np.float32(2.0 ** FP8_SCALE_SHIFT)).astype(xp.float32)
+        if xp is np:
+            pairs, scale = np.ascontiguousarray(pairs), np.ascontiguousarray(scale)
+        return cls(pairs, n, scale)
 
     @classmethod
     def _from_int8(cls, q, scale, n: int, k_shards: int, xp) -> PackedWeight:
@@ -101,6 +137,10 @@ class PackedWeight:
         panels, rows, width = self.data.shape
         if width == PANEL_WIDTH:
             return self.data[ids // PANEL_WIDTH, :, ids % PANEL_WIDTH]
+        if self.kind == "fp8":
+            pairs = self.data.reshape(panels, rows, PANEL_WIDTH, 2)[ids // PANEL_WIDTH, :, ids % PANEL_WIDTH, :]
+            scale = self.scale[ids][:, None] * np.float32(2.0 ** -FP8_SCALE_SHIFT)
+            return pairs.reshape(-1, 2 * rows).astype(jnp.float32) * scale
         if self.scale is not None:  # int8, as q + 128
             quads = self.data.reshape(panels, rows, PANEL_WIDTH, 4)[ids // PANEL_WIDTH, :, ids % PANEL_WIDTH, :]
             return (quads.reshape(-1, 4 * rows).astype(jnp.float32) - 128) * self.scale[ids][:, None]
@@ -115,6 +155,31 @@ def int8_group(k: int) -> int:
     for the tile unit's rate)."""
     groups = AMX_INT8_GROUPS + INT8_GROUPS if cpu_ffi.amx_available() else INT8_GROUPS
     return next((group for group in groups if k % group == 0), k)
+
+
+# fp8 weights: the largest e4m3 value a column's max |w| maps to, and the power of two the packed column
+# scales carry for the kernel: 2^120 (its bfloat16 form of an e4m3 value is the value times 2^-120) over
+# 2^64 (it multiplies x by 2^64 first, so that no product falls below float32's normal range).
+FP8_MAX = 448.0
+FP8_SCALE_SHIFT = 120 - 64
+
+
+def _fp8_bits(q, xp):
+    """float8_e4m3fn q as its uint8 bits."""
+    return q.view(np.uint8) if xp is np else jax.lax.bitcast_convert_type(q, jnp.uint8)
+
+
+def _fp8_normal(q, xp):
+    """float8_e4m3fn q with each subnormal (exponent field 0: m * 2^-9, m 1..7) rounded to 0 or +-2^-6, the
+    nearest of the two (ties to 0): the kernel widens e4m3 to bfloat16 by moving bits, which would make
+    these bfloat16 subnormals, and vdpbf16ps reads those as zero. A change of at most 2^-7 (of the column's
+    scale), where e4m3 itself rounds by up to 16 near its largest values."""
+    bits = _fp8_bits(q, xp)
+    sign, exponent, mantissa = bits & 0x80, bits & 0x78, bits & 0x07
+    subnormal = (exponent == 0) & (mantissa != 0)
+    rounded = xp.where(mantissa > 4, sign | 0x08, sign).astype(xp.uint8)
+    bits = xp.where(subnormal, rounded, bits).astype(xp.uint8)
+    return bits.view(jnp.float8_e4m3fn) if xp is np else jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn)
 
 
 def _panels(a, num_shards: int, n: int, pad_value, xp):
@@ -133,11 +198,16 @@ def _rows_operand(x, rows):
 
 def _packed_call(target: str, x, w: PackedWeight, columns: int, rows, *extra, bf16_out: bool = False):
     """The kernel `target` (its _bf16 twin for bfloat16 weights, x rounded to bfloat16; its _int8 twin for
-    int8 weights, x quantized in the kernel in groups of int8_group(K)) -> [M, columns] float32 (bf16_out:
-    bfloat16, from the _bf16_out twin); `extra` operands follow rows."""
-    assert x.dtype == jnp.float32 or (x.dtype == jnp.bfloat16 and w.data.dtype == jnp.bfloat16), \
-        "the CPU matmul kernel takes float32 activations (bfloat16 ones for bfloat16 weights)"
+    int8 weights, x quantized in the kernel in groups of int8_group(K); its _fp8 twin for fp8 weights, x
+    rounded to bfloat16) -> [M, columns] float32 (bf16_out: bfloat16, from the _bf16_out twin); `extra`
+    operands follow rows."""
+    assert x.dtype == jnp.float32 or (x.dtype == jnp.bfloat16 and kernel_input_dtype(w) == jnp.bfloat16), \
+        "the CPU matmul kernel takes float32 activations (bfloat16 ones for bfloat16 and fp8 weights)"
     out = jax.ShapeDtypeStruct((x.shape[0], columns), jnp.bfloat16 if bf16_out else jnp.float32)
+    if w.kind == "fp8":
+        suffix = "_fp8_bf16_out" if bf16_out else "_fp8"
+        return jax.ffi.ffi_call(f"{target}{suffix}", out)(x.astype(jnp.bfloat16), w.data, w.scale,
+                                                          _rows_operand(x, rows), *extra)
     if bf16_out:
         assert w.data.dtype == jnp.bfloat16 and not extra, "a bfloat16 result comes from bfloat16 weights"
         return jax.ffi.ffi_call(f"{target}_bf16_out", out)(x.astype(jnp.bfloat16), w.data, _rows_operand(x, rows))
@@ -164,9 +234,9 @@ def matmul(x, w, rows=None):
 
 
 def kernel_input_dtype(w):
-    """The dtype `matmul` hands w's kernel its activations in: bfloat16 for bfloat16 weights (rounded from
-    float32 by XLA before the call, unless they come as bfloat16), else None (float32, or XLA's dot)."""
-    return jnp.bfloat16 if isinstance(w, PackedWeight) and w.data.dtype == jnp.bfloat16 else None
+    """The dtype `matmul` hands w's kernel its activations in: bfloat16 for bfloat16 and fp8 weights (rounded
+    from float32 by XLA before the call, unless they come as bfloat16), else None (float32, or XLA's dot)."""
+    return jnp.bfloat16 if isinstance(w, PackedWeight) and w.kind in ("bfloat16", "fp8") else None
 
 
 def silu_gated_matmul(x, w, rows=None, add=None, out_dtype=None):
@@ -179,7 +249,7 @@ def silu_gated_matmul(x, w, rows=None, add=None, out_dtype=None):
     out = None
     if isinstance(w, PackedWeight) and w.n % (2 * PANEL_WIDTH) == 0:
         if add is None:
-            bf16_out = out_dtype == jnp.bfloat16 and w.data.dtype == jnp.bfloat16
+            bf16_out = out_dtype == jnp.bfloat16 and w.kind in ("bfloat16", "fp8")
             out = _packed_call("jaxserve_packed_gated_matmul", x, w, w.n // 2, rows, bf16_out=bf16_out)
         elif w.scale is None:
             out = _packed_call("jaxserve_packed_gated_matmul_add", x, w, w.n // 2, rows, add.astype(jnp.float32))

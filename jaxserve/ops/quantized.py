@@ -8,7 +8,7 @@ scaling: each row's absolute maximum maps to the type's largest value), so both 
 On Hopper XLA turns the float8 dot into an fp8 GEMM (cuBLASLt) and the int8 dot into an integer GEMM;
 whole weights are never widened before the dot.
 
-The C++ CPU matmul's int8 weights are a `PackedWeight` (`packed_matmul.py`), not this.
+The C++ CPU matmul's int8 and fp8 weights are a `PackedWeight` (`packed_matmul.py`), not this.
 """
 
 from __future__ import annotations

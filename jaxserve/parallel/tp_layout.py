@@ -9,8 +9,8 @@ how, from the model's head counts (the JAX engines' two remedies):
     tp / num_kv_heads devices, which share its query group, padded with zero query heads if needed;
   - otherwise the KV heads are padded with zero heads (and zero query groups) to a multiple of tp.
 A zero query head attends to zero values, and its o_proj rows are zero, so padding never changes the
-output. The MLP's intermediate size and the vocabulary are padded to multiples of tp the same way
-(padded logits are -inf for the sampler).
+output. The MLP's intermediate size and the vocabulary are padded the same way, to multiples of tp
+(the intermediate of PACKED_ROW_GROUP x tp; padded logits are -inf for the sampler).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config.model_config import ModelConfig
+
+PACKED_ROW_GROUP = 4  # the C++ matmul packs a weight's rows by fours (int8) or pairs (bfloat16, fp8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +58,10 @@ class HeadLayout:
             padded = -(-num_kv // tp) * tp
             kv = list(range(num_kv)) + [None] * (padded - num_kv)
             q = list(range(cfg.num_heads)) + [None] * ((padded - num_kv) * group)
-        round_up = lambda n: -(-n // tp) * tp  # noqa: E731
-        return cls(tp, tuple(q), tuple(kv), round_up(cfg.intermediate_size), round_up(cfg.vocab_size))
+        round_up = lambda n, multiple=tp: -(-n // multiple) * multiple  # noqa: E731
+        # down_proj is split by its rows, the intermediate: each device's share a whole number of row groups
+        intermediate = round_up(cfg.intermediate_size, PACKED_ROW_GROUP * tp)
+        return cls(tp, tuple(q), tuple(kv), intermediate, round_up(cfg.vocab_size))
 
     def device_config(self, cfg: ModelConfig) -> ModelConfig:
         """What one device's share of the model looks like: the config `forward` runs with under shard_map."""

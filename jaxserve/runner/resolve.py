@@ -90,8 +90,8 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, device: DeviceInfo
     matmul = resolve_matmul_backend(engine.matmul_backend, engine, platform)
     compiled_for = platform or jax.default_backend()
     packed_dtype = PACKED_DTYPES.get(matmul)
-    if packed_dtype and engine.quantization == "int8":
-        packed_dtype = "int8"
+    if packed_dtype and engine.quantization in ("int8", "fp8"):  # the C++ matmul's 8-bit weights
+        packed_dtype = engine.quantization
     spec = engine.speculative_config
     sized = engine.num_kv_pages is not None or engine.kv_cache_memory_bytes is not None
     return ResolvedConfig(

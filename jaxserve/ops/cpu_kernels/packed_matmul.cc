@@ -48,6 +48,11 @@
 // no offset (x_offset = 0); elsewhere the bytes are widened to int32 and multiplied as such (the same
 // integers every way).
 //
+// And float8 e4m3 (`F8Pairs`, W8A16): the bfloat16 pairs' layout with a byte per weight, each widened to
+// bfloat16 in the register and multiplied by vdpbf16ps with x in bfloat16; a scale per column (see there).
+// At 1-8 rows, bound by the weights' bytes, it takes about half bfloat16's time; at 512, about as long
+// (widening every panel row for every 8-row tile costs what the bytes save).
+//
 // On a CPU with AMX (Intel Xeon since Sapphire Rapids), bfloat16 and int8 weights take the tile unit
 // in blocks of 16 rows (`AmxBlock`): the packed panel already is AMX's B-operand layout (a
 // 32-bit lane per column holding two bfloat16 or four int8 consecutive k, 16 columns = one 64-byte tile
@@ -114,6 +119,7 @@ static_assert(kPanelWidth % kLanes == 0, "a panel is a whole number of vectors")
 // kSteps consecutive k. MulAdd adds x's element times the panel row's vector j to acc.
 struct F32 {
   using Elem = float;
+  using WElem = Elem;  // the packed weights' element (x's is Elem)
   using WVec = Vec;
   static constexpr int kSteps = 1;
   static constexpr int kRows = kFloatRows;
@@ -123,6 +129,7 @@ struct F32 {
 
 struct Bf16Pairs {
   using Elem = uint32_t;  // bfloat16 bits of k = 2i in the low half, of k = 2i + 1 in the high half
+  using WElem = Elem;
   typedef uint32_t WVec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
   static constexpr int kSteps = 2;
   static constexpr int kRows = kFloatRows;
@@ -155,6 +162,7 @@ struct Bf16Pairs {
 
 struct U8Quads {
   using Elem = uint32_t;  // four bytes of k = 4i .. 4i + 3, lowest first: x's int8, w's uint8
+  using WElem = Elem;
   typedef uint32_t WVec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
   static constexpr int kSteps = 4;
   static constexpr int kRows = kInt8Rows;
@@ -173,15 +181,54 @@ struct U8Quads {
   }
 };
 
+// float8 e4m3 weights (`F8Pairs`, W8A16): w stored as [panels, K / 2, kPanelWidth] 16-bit lanes, each the
+// e4m3 bytes of w[2i, c] (low) and w[2i + 1, c] (high), with a float32 scale per column; x bfloat16 pairs as
+// for Bf16Pairs. Each e4m3 byte becomes bfloat16 bits in the register by shifts alone: its exponent and
+// mantissa bits moved up under bfloat16's (sign << 15 | (b & 0x7f) << 4), which is the e4m3 value times
+// 2^-120, exact (bfloat16 has more mantissa and exponent bits) and normal for every normal e4m3 (exponent
+// field >= 1). e4m3's subnormals would land on bfloat16 subnormals, which vdpbf16ps reads as zero, so
+// packing rounds them to 0 or +-2^-6 (packed_matmul.py: at most 2^-7 of a column's scale, against e4m3's
+// own rounding of up to 16 of it). So that no product falls under float32's normal range (vdpbf16ps flushes
+// those too), x comes in multiplied by 2^kFp8XShift (exact: a power of two; ScaleRows); the column scale
+// packed with the weights carries 2^(120 - kFp8XShift). Then one vdpbf16ps multiplies 16 columns by two k,
+// as for bfloat16 weights, from half their bytes.
+constexpr int kFp8XShift = 64;
+
+struct F8Pairs {
+  using Elem = uint32_t;   // x: bfloat16 bits of k = 2i (low half) and 2i + 1 (high half)
+  using WElem = uint16_t;  // w: e4m3 bytes of k = 2i (low byte) and 2i + 1 (high byte)
+  using WVec = Bf16Pairs::WVec;
+  static constexpr int kSteps = 2;
+  static constexpr int kRows = kFloatRows;
+  // Two e4m3 bytes -> the bfloat16 bits of their values times 2^-120.
+  static uint32_t Widen(uint32_t b) { return ((b & 0x80u) << 8) | ((b & 0x7fu) << 4); }
+  static WVec LoadW(const WElem* w) {
+#if defined(__AVX512BW__)
+    if constexpr (kLanes == 16) {
+      const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+      const __m512i sign = _mm512_slli_epi16(bytes, 8);  // bit 7 -> 15 (the rest is cleared below)
+      const __m512i magnitude = _mm512_and_si512(_mm512_slli_epi16(bytes, 4), _mm512_set1_epi16(0x07f0));
+      // (sign & 0x8000) | magnitude: vpternlogd's truth table 0xEC over (sign, magnitude, 0x8000)
+      return (WVec)_mm512_ternarylogic_epi32(sign, magnitude, _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xEC);
+    }
+#endif
+    WVec v;
+    for (int lane = 0; lane < kLanes; ++lane) v[lane] = Widen(w[lane] & 0xffu) | (Widen(w[lane] >> 8) << 16);
+    return v;
+  }
+  static void MulAdd(Vec& acc, Elem x, WVec w) { Bf16Pairs::MulAdd(acc, x, w); }
+};
+
 template <typename T>
 struct Problem {
   using Elem = typename T::Elem;
-  const Elem* x;  // [M, steps]
-  const Elem* w;  // [panels, steps, kPanelWidth]
+  using WElem = typename T::WElem;
+  const Elem* x;   // [M, steps]
+  const WElem* w;  // [panels, steps, kPanelWidth]
   float* y;       // [M, N], or [M, N / 2] when gated
   int64_t m, steps, n, panels;  // m: the rows multiplied, at most M; steps: K / T::kSteps
   // int8 only: groups of group_steps steps; x_scale [m, groups]; x_offset [m], the weights' offset in
-  // each row's sums; w_scale [panels * kPanelWidth]
+  // each row's sums; w_scale [panels * kPanelWidth] (fp8 too: its column scales)
   int64_t groups = 1, group_steps = 0;
   const float* x_scale = nullptr;
   const float* x_offset = nullptr;
@@ -191,11 +238,12 @@ struct Problem {
   // gated only, or null: the output [M, N / 2] in bfloat16 bits, written here instead of y
   uint16_t* y_bf16 = nullptr;
 
-  const Elem* panel(int64_t b) const { return b < 0 ? nullptr : w + b * steps * kPanelWidth; }
+  const WElem* panel(int64_t b) const { return b < 0 ? nullptr : w + b * steps * kPanelWidth; }
   // The output of a tile's accumulator for `row` and `column`'s vector: int8 sums still want the offset
   // taken off and the column scale.
   Vec out(const Vec& acc, int64_t row, int64_t column) const {
     if constexpr (std::is_same_v<T, U8Quads>) return (acc - x_offset[row]) * Load(w_scale + column);
+    if constexpr (std::is_same_v<T, F8Pairs>) return acc * Load(w_scale + column);
     return acc;
   }
 };
@@ -244,8 +292,8 @@ __attribute__((always_inline)) inline void SignedQuadSteps(const uint32_t* x_row
 // registers (called twice from GatedTile, GCC otherwise keeps it out of line, spilling acc to memory).
 template <typename T, int R, typename Acc>
 __attribute__((always_inline)) inline void AccumulateSteps(const Problem<T>& p, const typename T::Elem* x_rows,
-                                                           const typename T::Elem* w_panel, Acc (&acc)[R][kVectors],
-                                                           const typename T::Elem* prefetch, int64_t begin,
+                                                           const typename T::WElem* w_panel, Acc (&acc)[R][kVectors],
+                                                           const typename T::WElem* prefetch, int64_t begin,
                                                            int64_t end) {
   const int64_t steps = p.steps;
 #if JAXSERVE_SIGNED_QUADS
@@ -268,9 +316,9 @@ __attribute__((always_inline)) inline void AccumulateSteps(const Problem<T>& p, 
 // integer sums scaled into acc).
 template <typename T, int R>
 __attribute__((always_inline)) inline void Accumulate(const Problem<T>& p, int64_t row, int64_t panel,
-                                                      Vec (&acc)[R][kVectors], const typename T::Elem* prefetch) {
+                                                      Vec (&acc)[R][kVectors], const typename T::WElem* prefetch) {
   const typename T::Elem* x_rows = p.x + row * p.steps;
-  const typename T::Elem* w_panel = p.panel(panel);
+  const typename T::WElem* w_panel = p.panel(panel);
   if constexpr (!std::is_same_v<T, U8Quads>) {
     AccumulateSteps<T, R>(p, x_rows, w_panel, acc, prefetch, 0, p.steps);
   } else {
@@ -287,7 +335,7 @@ __attribute__((always_inline)) inline void Accumulate(const Problem<T>& p, int64
 
 // y[rows, panel's columns] for `rows` (<= kRows) rows of x starting at row `row`.
 template <typename T, int R>
-void Tile(const Problem<T>& p, int64_t row, int64_t panel, int64_t columns, const typename T::Elem* prefetch) {
+void Tile(const Problem<T>& p, int64_t row, int64_t panel, int64_t columns, const typename T::WElem* prefetch) {
   Vec acc[R][kVectors] = {};
   Accumulate<T, R>(p, row, panel, acc, prefetch);
   for (int r = 0; r < R; ++r) {
@@ -368,7 +416,7 @@ constexpr bool kBlocks = kLanes == 8 && std::is_same_v<T, F32>;
 
 // c[r, :] (+)= rows row.. of x . w_panel over steps [begin, end): c holds the sums of the steps before begin.
 template <typename T, int R>
-void BlockTile(const Problem<T>& p, int64_t row, const typename T::Elem* w_panel, float* c, int64_t begin,
+void BlockTile(const Problem<T>& p, int64_t row, const typename T::WElem* w_panel, float* c, int64_t begin,
                int64_t end) {
   Vec acc[R][kVectors];
   for (int r = 0; r < R; ++r)
@@ -386,7 +434,7 @@ int64_t BlockedRows(const Problem<T>& p, int64_t panel, int64_t columns, std::in
     return 0;
   } else {
   if (p.m <= 2 * T::kRows || p.steps <= kBlockSteps) return 0;
-  using TileFn = void (*)(const Problem<T>&, int64_t, const typename T::Elem*, float*, int64_t, int64_t);
+  using TileFn = void (*)(const Problem<T>&, int64_t, const typename T::WElem*, float*, int64_t, int64_t);
   static constexpr TileFn kTiles[] = {nullptr, &BlockTile<T, R + 1>...};
   alignas(64) float gate[kStripRows * kPanelWidth], up[kGated ? kStripRows * kPanelWidth : 1];
   for (int64_t strip = 0; strip < p.m; strip += kStripRows) {
@@ -620,7 +668,7 @@ int64_t AmxRows(const Problem<T>& p, int64_t panel, int64_t columns, int64_t nex
 template <bool kGated, typename T>
 int64_t TileUnitRows(const Problem<T>& p, int64_t panel, int64_t columns, int64_t next) {
 #if JAXSERVE_AMX
-  if constexpr (!std::is_same_v<T, F32>) return AmxRows<kGated>(p, panel, columns, next);
+  if constexpr (std::is_same_v<T, Bf16Pairs> || std::is_same_v<T, U8Quads>) return AmxRows<kGated>(p, panel, columns, next);
 #endif
   (void)p, (void)panel, (void)columns, (void)next;
   return 0;
@@ -634,7 +682,7 @@ int64_t PrefetchingRow(const Problem<T>& p) { return p.m > T::kRows ? T::kRows :
 // panel this thread does next (-1: none), is prefetched meanwhile.
 template <typename T, int... R>
 void Panel(const Problem<T>& p, int64_t panel, int64_t next, std::integer_sequence<int, R...>) {
-  using TileFn = void (*)(const Problem<T>&, int64_t, int64_t, int64_t, const typename T::Elem*);
+  using TileFn = void (*)(const Problem<T>&, int64_t, int64_t, int64_t, const typename T::WElem*);
   static constexpr TileFn kTiles[] = {nullptr, &Tile<T, R + 1>...};  // kTiles[r]: a tile of r rows
   const int64_t columns = std::min<int64_t>(kPanelWidth, p.n - panel * kPanelWidth);
   int64_t first = TileUnitRows<false>(p, panel, columns, next);
@@ -660,13 +708,16 @@ void GatedPanel(const Problem<T>& p, int64_t panel, int64_t next, std::integer_s
 
 // XLA's buffer types for each weight type's x and w: float32, bfloat16, or float32 x and uint8 w.
 template <typename T>
-constexpr ffi::DataType kXType = std::is_same_v<T, Bf16Pairs> ? ffi::BF16 : ffi::F32;
+constexpr ffi::DataType kXType = std::is_same_v<T, Bf16Pairs> || std::is_same_v<T, F8Pairs> ? ffi::BF16 : ffi::F32;
 template <typename T>
 constexpr ffi::DataType kWType = std::is_same_v<T, F32> ? ffi::F32 : std::is_same_v<T, Bf16Pairs> ? ffi::BF16 : ffi::U8;
 
 template <typename T, bool kGated>
 std::string KernelName() {
-  const char* suffix = std::is_same_v<T, F32> ? "" : std::is_same_v<T, Bf16Pairs> ? "_bf16" : "_int8";
+  const char* suffix = std::is_same_v<T, F32>         ? ""
+                       : std::is_same_v<T, Bf16Pairs> ? "_bf16"
+                       : std::is_same_v<T, F8Pairs>   ? "_fp8"
+                                                      : "_int8";
   return std::string(kGated ? "packed_gated_matmul" : "packed_matmul") + suffix;
 }
 
@@ -719,7 +770,8 @@ ffi::Error RunMatmul(ffi::ThreadPool& pool, ffi::Buffer<kXType<T>>& x, ffi::Buff
   const int64_t m = ZeroPadding(rows, y), k = x.dimensions()[1];
   using Elem = typename T::Elem;
   const int64_t n = y->dimensions()[1] * (kGated ? 2 : 1);
-  Problem<T> problem{reinterpret_cast<const Elem*>(x.untyped_data()), reinterpret_cast<const Elem*>(w.untyped_data()),
+  Problem<T> problem{reinterpret_cast<const Elem*>(x.untyped_data()),
+                     reinterpret_cast<const typename T::WElem*>(w.untyped_data()),
                      y->typed_data(), m, k / T::kSteps, n, w.dimensions()[0]};
   problem.add = add;
   Run<T, kGated>(pool, problem);
@@ -869,6 +921,76 @@ ffi::Error MatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// x's rows [m, k] (bfloat16 pairs, `pairs` = k / 2 a row) times 2^kFp8XShift into `out`, exactly (a power
+// of two: the same bits but the exponent; zero stays zero, +-inf and NaN stay what they are), rows spread
+// over the pool's threads as QuantizeRows spreads them.
+void ScaleRows(ffi::ThreadPool& pool, const uint32_t* x, int64_t m, int64_t pairs, uint32_t* out) {
+  const float factor = std::ldexp(1.0f, kFp8XShift);
+  auto scale = [=](int64_t r) {
+    const uint32_t* in = x + r * pairs;
+    uint32_t* to = out + r * pairs;
+    const int64_t whole = pairs - pairs % kLanes;
+    for (int64_t i = 0; i < whole; i += kLanes) {
+      jaxserve::UintVec v;
+      std::memcpy(&v, in + i, sizeof(v));
+      const Vec low = Bf16Pairs::Widen(v << 16) * factor, high = Bf16Pairs::Widen(v & 0xffff0000u) * factor;
+      jaxserve::UintVec low_bits, high_bits;
+      std::memcpy(&low_bits, &low, sizeof(low_bits));
+      std::memcpy(&high_bits, &high, sizeof(high_bits));
+      const jaxserve::UintVec scaled = (high_bits & 0xffff0000u) | (low_bits >> 16);
+      std::memcpy(to + i, &scaled, sizeof(scaled));
+    }
+    for (int64_t i = whole; i < pairs; ++i) {
+      const float low = Bf16Pairs::Widen(in[i] << 16) * factor, high = Bf16Pairs::Widen(in[i] & 0xffff0000u) * factor;
+      uint32_t low_bits, high_bits;
+      std::memcpy(&low_bits, &low, sizeof(low_bits));
+      std::memcpy(&high_bits, &high, sizeof(high_bits));
+      to[i] = (high_bits & 0xffff0000u) | (low_bits >> 16);
+    }
+  };
+  constexpr int64_t kRowsPerItem = 16;
+  if (m <= kRowsPerItem) {
+    for (int64_t r = 0; r < m; ++r) scale(r);
+    return;
+  }
+  jaxserve::ParallelFor(pool, (m + kRowsPerItem - 1) / kRowsPerItem, [scale, m] {
+    return [scale, m](int64_t item) {
+      for (int64_t r = item * kRowsPerItem; r < std::min(m, (item + 1) * kRowsPerItem); ++r) scale(r);
+    };
+  });
+}
+
+// The same for float8 e4m3 weights (F8Pairs) with their column scales [panels * kPanelWidth] (times
+// 2^(120 - kFp8XShift), as packed): x [M, K] bfloat16. The result in float32, or (gated only) in
+// bfloat16, rounded as GatedMatmulBf16Out rounds it.
+template <bool kGated, ffi::DataType kYType>
+ffi::Error MatmulFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> w_scale,
+                     ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<kYType> y) {
+  static_assert(kGated || kYType == ffi::F32, "a bfloat16 result comes from the gated kernel");
+  if (w.element_type() != ffi::F8E4M3FN) {
+    return ffi::Error::InvalidArgument(KernelName<F8Pairs, kGated>() + ": the weights are not float8_e4m3fn");
+  }
+  const int64_t columns = w.dimensions().size() == 3 ? w.dimensions()[0] * kPanelWidth : -1;
+  if (!ShapesMatch<F8Pairs, kGated>(x.dimensions(), w.dimensions(), y->dimensions()) || rows.element_count() != 1
+      || static_cast<int64_t>(w_scale.element_count()) != columns) {
+    return ffi::Error::InvalidArgument(KernelName<F8Pairs, kGated>() + ": operand shapes do not match");
+  }
+  const int64_t m = ZeroPadding(rows, y), pairs = x.dimensions()[1] / 2;
+  thread_local std::vector<uint32_t> scaled;  // kept from call to call, as MatmulInt8's buffers
+  scaled.resize(std::max<size_t>(scaled.size(), m * pairs));
+  ScaleRows(pool, static_cast<const uint32_t*>(x.untyped_data()), m, pairs, scaled.data());
+  Problem<F8Pairs> problem{scaled.data(), static_cast<const uint16_t*>(w.untyped_data()), nullptr, m, pairs,
+                           y->dimensions()[1] * (kGated ? 2 : 1), w.dimensions()[0]};
+  if constexpr (kYType == ffi::F32) {
+    problem.y = y->typed_data();
+  } else {
+    problem.y_bf16 = static_cast<uint16_t*>(y->untyped_data());
+  }
+  problem.w_scale = w_scale.typed_data();
+  Run<F8Pairs, kGated>(pool, problem);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 extern "C" int JaxservePackedMatmulPanelWidth() { return kPanelWidth; }
@@ -908,6 +1030,13 @@ auto MatmulInt8Binding() {
       .Attr<int64_t>("group");
 }
 
+template <ffi::DataType kYType>
+auto MatmulFp8Binding() {
+  // the weights untyped, their type checked: the FFI's typed buffers take no float8 (no C++ element type)
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::S32>>().template Ret<ffi::Buffer<kYType>>();
+}
+
 template <typename T>
 auto GatedMatmulAddBinding() {
   return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().template Arg<ffi::Buffer<kXType<T>>>()
@@ -930,3 +1059,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedGatedMatmulAddBf16, GatedMatmulAdd<B
                               GatedMatmulAddBinding<Bf16Pairs>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedMatmulInt8, MatmulInt8<false>, MatmulInt8Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedGatedMatmulInt8, MatmulInt8<true>, MatmulInt8Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedMatmulFp8, (MatmulFp8<false, ffi::F32>), MatmulFp8Binding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedGatedMatmulFp8, (MatmulFp8<true, ffi::F32>), MatmulFp8Binding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedGatedMatmulFp8Bf16Out, (MatmulFp8<true, ffi::BF16>),
+                              MatmulFp8Binding<ffi::BF16>());
