@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from jaxserve import SamplingParams
-from jaxserve.distributed.multihost import SECRET_ENV, SECRET_FILE_ENV
+from jaxserve.distributed.multihost import HEARTBEAT_TIMEOUT_ENV, SECRET_ENV, SECRET_FILE_ENV
 from server_helpers import REPO_ROOT, free_port, run_server
 
 # float32 by name, as default_llm, whose text the two processes must give. The test sends one request at a
@@ -156,13 +156,16 @@ def test_pickles_and_probes_at_start_up_run_nothing_and_keep_no_follower_out(tin
     that would create a file (bare, and behind the old length prefix), a connection that stays silent and
     one that closes at once. Nothing is unpickled (no file), each is refused and logged, and the real
     follower still joins and the group serves. The follower is held (SIGSTOP) while it compiles, before
-    it connects, so the probes reach the leader's port before it does; then it goes on (SIGCONT)."""
+    it connects, so the probes reach the leader's port before it does; then it goes on (SIGCONT). A stopped
+    process sends the JAX coordinator no heartbeats, and the coordinator ends the group after
+    HEARTBEAT_TIMEOUT_ENV's seconds of silence (100 by default, about what a loaded 2-core machine's leader
+    took to load, compile and listen in a fresh-clone run): the group here allows 600."""
     model = str(tiny_model_dir("llama"))
     coordinator = free_port()
     group = ["-tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{coordinator}"]
     flags = [model, "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
              "--num-kv-pages", "32"]
-    env = {**os.environ, SECRET_ENV: secrets.token_hex(32)}
+    env = {**os.environ, SECRET_ENV: secrets.token_hex(32), HEARTBEAT_TIMEOUT_ENV: "600"}
     env.pop(SECRET_FILE_ENV, None)
     env.pop("JAXSERVE_API_KEY", None)
     marker = tmp_path / "unpickled"

@@ -510,6 +510,19 @@ def test_the_leader_listens_only_where_dist_init_addr_says():
         started.result().close()
 
 
+def test_the_heartbeat_timeout_is_jaxs_default_or_the_variables_positive_seconds(monkeypatch):
+    """jax.distributed ends the group when a rank sends no heartbeat for this long; the variable sets it, and
+    anything but a positive whole number of seconds is refused naming the variable."""
+    monkeypatch.delenv(multihost.HEARTBEAT_TIMEOUT_ENV, raising=False)
+    assert multihost.heartbeat_timeout_s() == multihost.DEFAULT_HEARTBEAT_TIMEOUT_S == 100
+    monkeypatch.setenv(multihost.HEARTBEAT_TIMEOUT_ENV, "600")
+    assert multihost.heartbeat_timeout_s() == 600
+    for bad in ("0", "-5", "1.5", "ten"):
+        monkeypatch.setenv(multihost.HEARTBEAT_TIMEOUT_ENV, bad)
+        with pytest.raises(ValueError, match=multihost.HEARTBEAT_TIMEOUT_ENV):
+            multihost.heartbeat_timeout_s()
+
+
 def test_a_loopback_dist_init_addr_is_reported(capsys):
     assert "loopback" in multihost.warn_if_loopback(_cfg(host="localhost"))
     assert "127.0.1.1" in capsys.readouterr().err

@@ -77,6 +77,10 @@ logger = logging.getLogger(__name__)
 
 SECRET_ENV = "JAXSERVE_MULTIHOST_SECRET"
 SECRET_FILE_ENV = "JAXSERVE_MULTIHOST_SECRET_FILE"
+# Seconds a rank may send the JAX coordinator no heartbeat (its process stopped, or starved of the CPU)
+# before the coordinator ends the whole group; jax.distributed's own default unless set.
+HEARTBEAT_TIMEOUT_ENV = "JAXSERVE_MULTIHOST_HEARTBEAT_TIMEOUT_S"
+DEFAULT_HEARTBEAT_TIMEOUT_S = 100
 INSECURE_FLAG = "--insecure-multihost"
 MIN_SECRET_BYTES = 16
 
@@ -143,7 +147,18 @@ def initialize(cfg: EngineConfig) -> None:
     warn_if_loopback(cfg)
     logger.debug("joining %d processes at %s as rank %d", cfg.nnodes, cfg.dist_init_addr, cfg.node_rank)
     jax.distributed.initialize(coordinator_address=cfg.dist_init_addr, num_processes=cfg.nnodes,
-                               process_id=cfg.node_rank)
+                               process_id=cfg.node_rank, heartbeat_timeout_seconds=heartbeat_timeout_s())
+
+
+def heartbeat_timeout_s() -> int:
+    """HEARTBEAT_TIMEOUT_ENV's whole number of seconds (DEFAULT_HEARTBEAT_TIMEOUT_S unset); ValueError naming
+    the variable for anything but a positive integer."""
+    value = os.environ.get(HEARTBEAT_TIMEOUT_ENV, "").strip()
+    if not value:
+        return DEFAULT_HEARTBEAT_TIMEOUT_S
+    if not value.isdigit() or int(value) <= 0:
+        raise ValueError(f"{HEARTBEAT_TIMEOUT_ENV}={value!r}: give a positive whole number of seconds")
+    return int(value)
 
 
 def _step_address(cfg: EngineConfig) -> tuple[str, int]:
