@@ -183,7 +183,7 @@ struct U8Quads {
 
 // float8 e4m3 weights (`F8Pairs`, W8A16): w stored as [panels, K / 2, kPanelWidth] 16-bit lanes, each the
 // e4m3 bytes of w[2i, c] (low) and w[2i + 1, c] (high), with a float32 scale per column; x bfloat16 pairs as
-// for Bf16Pairs. Each e4m3 byte becomes bfloat16 bits in the register by shifts alone: its exponent and
+// for Bf16Pairs. Each e4m3 byte becomes bfloat16 bits in the register by a shift and a mask: its exponent and
 // mantissa bits moved up under bfloat16's (sign << 15 | (b & 0x7f) << 4), which is the e4m3 value times
 // 2^-120, exact (bfloat16 has more mantissa and exponent bits) and normal for every normal e4m3 (exponent
 // field >= 1). e4m3's subnormals would land on bfloat16 subnormals, which vdpbf16ps reads as zero, so
@@ -200,16 +200,18 @@ struct F8Pairs {
   using WVec = Bf16Pairs::WVec;
   static constexpr int kSteps = 2;
   static constexpr int kRows = kFloatRows;
-  // Two e4m3 bytes -> the bfloat16 bits of their values times 2^-120.
-  static uint32_t Widen(uint32_t b) { return ((b & 0x80u) << 8) | ((b & 0x7fu) << 4); }
+  // An e4m3 byte -> the bfloat16 bits of its value times 2^-120: the byte sign-extended to 16 bits and
+  // shifted up by 4 puts its exponent and mantissa at bits 10..4 and copies of its sign at 15..11, of which
+  // the mask keeps bit 15. Three instructions for 32 weights (vpmovsxbw, vpsllw, vpandd).
+  static constexpr uint16_t kWidenMask = 0x87f0;
+  static uint32_t Widen(uint32_t b) {
+    return (static_cast<uint32_t>(static_cast<int32_t>(static_cast<int8_t>(b)) << 4) & kWidenMask);
+  }
   static WVec LoadW(const WElem* w) {
 #if defined(__AVX512BW__)
     if constexpr (kLanes == 16) {
-      const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
-      const __m512i sign = _mm512_slli_epi16(bytes, 8);  // bit 7 -> 15 (the rest is cleared below)
-      const __m512i magnitude = _mm512_and_si512(_mm512_slli_epi16(bytes, 4), _mm512_set1_epi16(0x07f0));
-      // (sign & 0x8000) | magnitude: vpternlogd's truth table 0xEC over (sign, magnitude, 0x8000)
-      return (WVec)_mm512_ternarylogic_epi32(sign, magnitude, _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xEC);
+      const __m512i words = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+      return (WVec)_mm512_and_si512(_mm512_slli_epi16(words, 4), _mm512_set1_epi16(static_cast<int16_t>(kWidenMask)));
     }
 #endif
     WVec v;
