@@ -831,10 +831,25 @@ inline IntVec RoundToInt(Vec v) {
 }
 #pragma GCC diagnostic pop
 
+// row_fn(r) for rows 0..m-1: on this thread for a decode step's few rows, else spread over the pool's threads
+// 16 rows an item (a prompt step's rows pay for it).
+template <typename RowFn>
+void ForEachRow(ffi::ThreadPool& pool, int64_t m, RowFn row_fn) {
+  constexpr int64_t kRowsPerItem = 16;
+  if (m <= kRowsPerItem) {
+    for (int64_t r = 0; r < m; ++r) row_fn(r);
+    return;
+  }
+  jaxserve::ParallelFor(pool, (m + kRowsPerItem - 1) / kRowsPerItem, [row_fn, m] {
+    return [row_fn, m](int64_t item) {
+      for (int64_t r = item * kRowsPerItem; r < std::min(m, (item + 1) * kRowsPerItem); ++r) row_fn(r);
+    };
+  });
+}
+
 // x's rows [m, k] in groups of k / groups: int8 (as 32-bit quads), each group's scale [m, groups] (its
 // largest |x| -> 127), and each row's x_offset [m]: 128 sum_g x_scale[g] sum(xq in g), what the weights'
-// offset of 128 adds to the row's products (0 where the products are signed: kSignedQuads). The rows are
-// spread over the pool's threads when there are enough of them to pay for it (a prompt step's).
+// offset of 128 adds to the row's products (0 where the products are signed: kSignedQuads). ForEachRow.
 void QuantizeRows(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t k, int64_t groups, int8_t* bytes,
                   float* x_scale, float* x_offset) {
   const int64_t size = k / groups;
@@ -873,16 +888,7 @@ void QuantizeRows(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t k, i
     }
     x_offset[r] = offset;
   };
-  constexpr int64_t kRowsPerItem = 16;
-  if (m <= kRowsPerItem) {
-    for (int64_t r = 0; r < m; ++r) quantize(r);
-    return;
-  }
-  jaxserve::ParallelFor(pool, (m + kRowsPerItem - 1) / kRowsPerItem, [quantize, m] {
-    return [quantize, m](int64_t item) {
-      for (int64_t r = item * kRowsPerItem; r < std::min(m, (item + 1) * kRowsPerItem); ++r) quantize(r);
-    };
-  });
+  ForEachRow(pool, m, quantize);
 }
 
 // The same for int8 weights, as uint8 q + 128, with their column scales [panels * kPanelWidth]: x [M, K]
@@ -924,8 +930,7 @@ ffi::Error MatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 }
 
 // x's rows [m, k] (bfloat16 pairs, `pairs` = k / 2 a row) times 2^kFp8XShift into `out`, exactly (a power
-// of two: the same bits but the exponent; zero stays zero, +-inf and NaN stay what they are), rows spread
-// over the pool's threads as QuantizeRows spreads them.
+// of two: the same bits but the exponent; zero stays zero, +-inf and NaN stay what they are). ForEachRow.
 void ScaleRows(ffi::ThreadPool& pool, const uint32_t* x, int64_t m, int64_t pairs, uint32_t* out) {
   const float factor = std::ldexp(1.0f, kFp8XShift);
   auto scale = [=](int64_t r) {
@@ -950,16 +955,7 @@ void ScaleRows(ffi::ThreadPool& pool, const uint32_t* x, int64_t m, int64_t pair
       to[i] = (high_bits & 0xffff0000u) | (low_bits >> 16);
     }
   };
-  constexpr int64_t kRowsPerItem = 16;
-  if (m <= kRowsPerItem) {
-    for (int64_t r = 0; r < m; ++r) scale(r);
-    return;
-  }
-  jaxserve::ParallelFor(pool, (m + kRowsPerItem - 1) / kRowsPerItem, [scale, m] {
-    return [scale, m](int64_t item) {
-      for (int64_t r = item * kRowsPerItem; r < std::min(m, (item + 1) * kRowsPerItem); ++r) scale(r);
-    };
-  });
+  ForEachRow(pool, m, scale);
 }
 
 // The same for float8 e4m3 weights (F8Pairs) with their column scales [panels * kPanelWidth] (times
