@@ -708,9 +708,10 @@ void GatedPanel(const Problem<T>& p, int64_t panel, int64_t next, std::integer_s
   }
 }
 
-// XLA's buffer types for each weight type's x and w: float32, bfloat16, or float32 x and uint8 w.
+// XLA's buffer types for each weight type's x and w: float32, bfloat16, or float32 x and uint8 w (fp8's
+// handlers bind their own: MatmulFp8).
 template <typename T>
-constexpr ffi::DataType kXType = std::is_same_v<T, Bf16Pairs> || std::is_same_v<T, F8Pairs> ? ffi::BF16 : ffi::F32;
+constexpr ffi::DataType kXType = std::is_same_v<T, Bf16Pairs> ? ffi::BF16 : ffi::F32;
 template <typename T>
 constexpr ffi::DataType kWType = std::is_same_v<T, F32> ? ffi::F32 : std::is_same_v<T, Bf16Pairs> ? ffi::BF16 : ffi::U8;
 
@@ -933,6 +934,16 @@ ffi::Error MatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // of two: the same bits but the exponent; zero stays zero, +-inf and NaN stay what they are). ForEachRow.
 void ScaleRows(ffi::ThreadPool& pool, const uint32_t* x, int64_t m, int64_t pairs, uint32_t* out) {
   const float factor = std::ldexp(1.0f, kFp8XShift);
+  // A lane vector of pairs (UintVec) or one pair (uint32_t): each half widened, scaled, and its bfloat16
+  // bits put back (exact, so no rounding).
+  const auto scaled = [factor](auto bits) {
+    using Bits = decltype(bits);
+    const auto low = Bf16Pairs::Widen(bits << 16) * factor, high = Bf16Pairs::Widen(bits & 0xffff0000u) * factor;
+    Bits low_bits, high_bits;
+    std::memcpy(&low_bits, &low, sizeof(low_bits));
+    std::memcpy(&high_bits, &high, sizeof(high_bits));
+    return Bits((high_bits & 0xffff0000u) | (low_bits >> 16));
+  };
   auto scale = [=](int64_t r) {
     const uint32_t* in = x + r * pairs;
     uint32_t* to = out + r * pairs;
@@ -940,20 +951,10 @@ void ScaleRows(ffi::ThreadPool& pool, const uint32_t* x, int64_t m, int64_t pair
     for (int64_t i = 0; i < whole; i += kLanes) {
       jaxserve::UintVec v;
       std::memcpy(&v, in + i, sizeof(v));
-      const Vec low = Bf16Pairs::Widen(v << 16) * factor, high = Bf16Pairs::Widen(v & 0xffff0000u) * factor;
-      jaxserve::UintVec low_bits, high_bits;
-      std::memcpy(&low_bits, &low, sizeof(low_bits));
-      std::memcpy(&high_bits, &high, sizeof(high_bits));
-      const jaxserve::UintVec scaled = (high_bits & 0xffff0000u) | (low_bits >> 16);
-      std::memcpy(to + i, &scaled, sizeof(scaled));
+      v = scaled(v);
+      std::memcpy(to + i, &v, sizeof(v));
     }
-    for (int64_t i = whole; i < pairs; ++i) {
-      const float low = Bf16Pairs::Widen(in[i] << 16) * factor, high = Bf16Pairs::Widen(in[i] & 0xffff0000u) * factor;
-      uint32_t low_bits, high_bits;
-      std::memcpy(&low_bits, &low, sizeof(low_bits));
-      std::memcpy(&high_bits, &high, sizeof(high_bits));
-      to[i] = (high_bits & 0xffff0000u) | (low_bits >> 16);
-    }
+    for (int64_t i = whole; i < pairs; ++i) to[i] = scaled(in[i]);
   };
   ForEachRow(pool, m, scale);
 }
