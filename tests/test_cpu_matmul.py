@@ -17,7 +17,8 @@ import pytest
 from jaxserve import LLM, SamplingParams
 
 from jaxserve.ops import cpu_ffi
-from jaxserve.ops.attention_backends import cpu_half_precision, paired_attention_backend, resolve_matmul_backend
+from jaxserve.ops.attention_backends import (cpu_half_precision, paired_attention_backend, resolve_matmul_backend,
+                                             unquantized_packed_dtype)
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.ops.packed_matmul import PANEL_WIDTH, PackedWeight, matmul, silu_gated_matmul
 
@@ -383,20 +384,25 @@ def test_int8_pairs_bfloat16_attention_products_where_the_cpu_has_avx512_bf16(mo
     from tiny_models import hf_config
 
     monkeypatch.setattr(cpu_ffi, "bf16_dot_instructions", lambda: True)
-    assert paired_attention_backend("cpu", "cpu", packed_dtype="int8") == "cpu-bf16"
-    assert paired_attention_backend("cpu", "cpu", requested="cpu", packed_dtype="int8") == "cpu"
-    assert paired_attention_backend("xla", "cpu", packed_dtype="int8") == "xla"
-    assert paired_attention_backend("cpu", "cpu", packed_dtype="fp8") == "cpu-bf16"
+    assert [unquantized_packed_dtype(t) for t in ("int8", "fp8", "bfloat16", None)] == ["bfloat16"] * 2 + [None] * 2
+    assert paired_attention_backend("cpu", "cpu", unquantized_dtype="bfloat16") == "cpu-bf16"
+    assert paired_attention_backend("cpu", "cpu", requested="cpu", unquantized_dtype="bfloat16") == "cpu"
+    assert paired_attention_backend("xla", "cpu", unquantized_dtype="bfloat16") == "xla"
     model = ModelConfig.from_hf(hf_config("llama"))
     int8 = resolve_config(EngineConfig(quantization="int8", max_model_len=64), model, platform="cpu")
-    assert (int8.packed_dtype, int8.attention_backend) == ("int8", "cpu-bf16")
+    assert (int8.packed_dtype, int8.unquantized_dtype, int8.attention_backend) == ("int8", "bfloat16", "cpu-bf16")
+    fp8 = resolve_config(EngineConfig(quantization="fp8", max_model_len=64), model, platform="cpu")
+    assert (fp8.packed_dtype, fp8.unquantized_dtype, fp8.attention_backend) == ("fp8", "bfloat16", "cpu-bf16")
     asked = resolve_config(EngineConfig(quantization="int8", attention_backend="cpu", max_model_len=64), model,
                            platform="cpu")
     assert (asked.packed_dtype, asked.attention_backend) == ("int8", "cpu")
     monkeypatch.setattr(cpu_ffi, "bf16_dot_instructions", lambda: False)
-    assert paired_attention_backend("cpu", "cpu", packed_dtype="int8") == "cpu"
+    assert [unquantized_packed_dtype(t) for t in ("int8", "fp8", "bfloat16")] == ["float32", "float32", None]
+    assert paired_attention_backend("cpu", "cpu", unquantized_dtype="float32") == "cpu"
     avx2 = resolve_config(EngineConfig(quantization="int8", max_model_len=64), model, platform="cpu")
-    assert (avx2.packed_dtype, avx2.attention_backend) == ("int8", "cpu")
+    assert (avx2.packed_dtype, avx2.unquantized_dtype, avx2.attention_backend) == ("int8", "float32", "cpu")
+    avx2_fp8 = resolve_config(EngineConfig(quantization="fp8", max_model_len=64), model, platform="cpu")
+    assert (avx2_fp8.unquantized_dtype, avx2_fp8.attention_backend) == ("float32", "cpu")
 
 
 @needs_kernels

@@ -75,14 +75,15 @@ def _fuse(parts: list, num_shards: int, xp):
 
 
 def serving_params(cfg: ModelConfig, params, packed: bool = False, num_shards: int = 1,
-                   packed_dtype: str = "float32", quantization: str | None = None) -> dict:
+                   packed_dtype: str = "float32", quantization: str | None = None,
+                   unquantized_dtype: str | None = None) -> dict:
     """The loaded (stacked) params -> forward's layout: a list of per-layer dicts with
     w_qkv [hidden, (H + 2 KVH) D] (and b_qkv) and w_gate_up [hidden, 2 inter].
 
     packed: the weight matrices become `PackedWeight`s for the C++ CPU matmul, the LM head included;
     a tied LM head is then the only copy of the embeddings (forward looks tokens up in it). packed_dtype:
     the packed matrices' dtype, float32, bfloat16 (rounded), int8 or fp8 (per-column scales; fp8 keeps the
-    LM head unquantized: `_packed_lm_head_dtype`); the rest of the
+    LM head unquantized, packed in `unquantized_dtype`, the resolved config's: `_packed_lm_head_dtype`); the rest of the
     params stay as they are. quantization ("int8", "fp8"; unpacked only): the matrices become
     `QuantizedWeight`s for XLA's 8-bit dot, and the LM head too under int8 (QUANTIZED_LM_HEADS; a tied
     model keeps its float embeddings for the lookup).
@@ -111,7 +112,7 @@ def serving_params(cfg: ModelConfig, params, packed: bool = False, num_shards: i
                                 k_shards=1 if by_columns else num_shards)
         lm_head = out.pop("embed").T if cfg.tie_word_embeddings else out["lm_head"]
         pack = PackedWeight.from_quantized if isinstance(lm_head, QuantizedWeight) else PackedWeight.pack
-        out["lm_head"] = pack(lm_head, num_shards, _packed_lm_head_dtype(lm_head, packed_dtype))
+        out["lm_head"] = pack(lm_head, num_shards, _packed_lm_head_dtype(lm_head, packed_dtype, unquantized_dtype))
     elif quantization:
         for lp in layers:
             for name in MATRICES:
@@ -129,15 +130,14 @@ def serving_params(cfg: ModelConfig, params, packed: bool = False, num_shards: i
 QUANTIZED_LM_HEADS = ("int8",)
 
 
-def _packed_lm_head_dtype(lm_head, packed_dtype: str) -> str:
-    """The packed LM head's type: the matrices' own, but under fp8 (not in QUANTIZED_LM_HEADS) that of an
-    unquantized model on this CPU: bfloat16 where it multiplies bfloat16 fast (AVX512-BF16), else float32.
-    A checkpoint's quantized LM head stays as stored."""
+def _packed_lm_head_dtype(lm_head, packed_dtype: str, unquantized_dtype: str | None) -> str:
+    """The packed LM head's type: the matrices' own, but under fp8 (not in QUANTIZED_LM_HEADS) what the
+    resolved config keeps unquantized (`attention_backends.unquantized_packed_dtype`). A checkpoint's
+    quantized LM head stays as stored."""
     if packed_dtype != "fp8" or isinstance(lm_head, QuantizedWeight):
         return packed_dtype
-    from jaxserve.ops.cpu_ffi import bf16_dot_instructions
-
-    return "bfloat16" if bf16_dot_instructions() else "float32"
+    assert unquantized_dtype in ("bfloat16", "float32"), "fp8's LM head needs the resolved unquantized_dtype"
+    return unquantized_dtype
 
 
 def _quantized(w, kind: str) -> QuantizedWeight:

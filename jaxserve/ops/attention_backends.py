@@ -136,26 +136,35 @@ def resolve_matmul_backend(requested: str, engine_cfg: EngineConfig, platform: s
     return _cpu_or_xla("matmul_backend", requested, engine_cfg, platform, "XLA's dot")
 
 
-def paired_attention_backend(attention: str, matmul: str, requested: str = "auto", packed_dtype: str | None = None) -> str:
+def unquantized_packed_dtype(packed_dtype: str | None) -> str | None:
+    """What 8-bit packed weights ("int8", "fp8") leave unquantized, decided here once: fp8's LM head
+    (transformer.serving_params) and the attention's products (`paired_attention_backend`) in "bfloat16" on a
+    CPU the kernels are built for with AVX512-BF16 (it multiplies bfloat16 at twice float32's rate), else in
+    "float32". None for any other packed type, or none."""
+    if packed_dtype not in ("int8", "fp8"):
+        return None
+    from jaxserve.ops.cpu_ffi import bf16_dot_instructions
+
+    return "bfloat16" if bf16_dot_instructions() else "float32"
+
+
+def paired_attention_backend(attention: str, matmul: str, requested: str = "auto",
+                             unquantized_dtype: str | None = None) -> str:
     """The resolved attention backend given the resolved matmul one: "cpu-bf16" (the C++ kernel with the
     products of its prompt tiles, and of decode rows over bfloat16 pages, in bfloat16:
     `cpu_ffi.paged_row_attention`'s bf16_products) where attention was left to choose (`requested` "auto")
-    and resolved to the C++ kernel, and the matmuls multiply in bfloat16 ("cpu-bf16"), in int8 (packed int8
-    weights, whose activations are rounded to 8 bits, far coarser than bfloat16's) or in fp8 (packed e4m3
-    weights, bfloat16 activations) on a CPU the kernels are built for with AVX512-BF16; else `attention`
-    unchanged. An explicit "cpu" keeps float32 products.
+    and resolved to the C++ kernel, and the matmuls multiply in bfloat16 ("cpu-bf16"), or in 8 bits (packed
+    int8 weights, whose activations are rounded to 8 bits, far coarser than bfloat16's; packed e4m3
+    weights, bfloat16 activations) whose unquantized parts are bfloat16 (`unquantized_dtype`,
+    `unquantized_packed_dtype`); else `attention` unchanged. An explicit "cpu" keeps float32 products.
 
     Under int8 on a 2-core AMD EPYC with AVX512-BF16 (2026-12-03, benchmarks/bench_quantization.py) the
     bfloat16 products gave 1.19x / 1.32x the prefill tokens/s at 1,024-token prompts (batch 1 / 8), decode
     level; `jaxserve bench quality` measured the cost (README, Quantization)."""
     if attention != "cpu" or requested != "auto":
         return attention
-    if matmul == "cpu-bf16":
+    if matmul == "cpu-bf16" or unquantized_dtype == "bfloat16":
         return "cpu-bf16"
-    if packed_dtype in ("int8", "fp8"):
-        from jaxserve.ops.cpu_ffi import bf16_dot_instructions
-
-        return "cpu-bf16" if bf16_dot_instructions() else attention
     return attention
 
 

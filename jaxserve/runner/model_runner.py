@@ -161,7 +161,8 @@ class ModelRunner:
         leaves = jax.tree.leaves(params)
         packed = self.resolved.packed_dtype
         to_serving = functools.partial(serving_params, self.model_cfg, packed=packed is not None,
-                                       packed_dtype=packed or "float32", quantization=self.resolved.quantization)
+                                       packed_dtype=packed or "float32", quantization=self.resolved.quantization,
+                                       unquantized_dtype=self.resolved.unquantized_dtype)
         rope = functools.partial(rope_position_tables, self.model_cfg, self.resolved.max_positions)
         if self.parallel:
             return self.parallel.place_params(params, to_serving, rope)

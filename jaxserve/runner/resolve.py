@@ -22,7 +22,8 @@ from jaxserve.config.device_defaults import DeviceInfo, MemoryUse
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.config.model_config import ModelConfig
 from jaxserve.ops.attention_backends import (cpu_half_precision, paired_attention_backend,
-                                             resolve_attention_backend, resolve_matmul_backend)
+                                             resolve_attention_backend, resolve_matmul_backend,
+                                             unquantized_packed_dtype)
 from jaxserve.parallel.tp_layout import HeadLayout
 
 # The dtype of the packed weights each C++ matmul backend takes ("xla": not packed)
@@ -46,6 +47,9 @@ class ResolvedConfig:
     half_precision: str | None  # why dtype auto chose bfloat16 on a CPU (said at start-up), else None
     packed_dtype: str | None  # the C++ matmul's packed weights, None for XLA's dot
     quantization: str | None  # XLA's 8-bit weights (QuantizedWeight), None where packed or unquantized
+    # what 8-bit packed weights leave unquantized (fp8's LM head, the attention's products): "bfloat16" or
+    # "float32" (`unquantized_packed_dtype`); None where the packed weights are not 8-bit or nothing is packed
+    unquantized_dtype: str | None
     sampler_branches: bool  # the sampler branches on device data (not on a GPU: a branch waits for the host)
     kv_tile: int  # keys per iteration of XLA's attention loop
     max_positions: int  # positions the rope tables cover (max_model_len before the pool may lower it)
@@ -92,14 +96,15 @@ def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, device: DeviceInfo
     packed_dtype = PACKED_DTYPES.get(matmul)
     if packed_dtype and engine.quantization in ("int8", "fp8"):  # the C++ matmul's 8-bit weights
         packed_dtype = engine.quantization
+    unquantized = unquantized_packed_dtype(packed_dtype)
     spec = engine.speculative_config
     sized = engine.num_kv_pages is not None or engine.kv_cache_memory_bytes is not None
     return ResolvedConfig(
         engine=engine, requested=cfg, model=model_cfg, device_model=device_model, layout=layout, device=device,
         platform=compiled_for, chosen=chosen,
-        attention_backend=paired_attention_backend(attention, matmul, engine.attention_backend, packed_dtype),
+        attention_backend=paired_attention_backend(attention, matmul, engine.attention_backend, unquantized),
         matmul_backend=matmul,
-        half_precision=half_precision, packed_dtype=packed_dtype,
+        half_precision=half_precision, packed_dtype=packed_dtype, unquantized_dtype=unquantized,
         quantization=engine.quantization if packed_dtype is None else None,
         sampler_branches=compiled_for != "gpu", kv_tile=min(engine.kv_tile, engine.max_model_len),
         max_positions=engine.max_model_len,
