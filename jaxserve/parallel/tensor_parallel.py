@@ -41,8 +41,11 @@ VOCAB_SPEC = P(None, MODEL_AXIS)  # logits [S, V]: by vocabulary
 # [panels, K, PANEL_WIDTH]: split by panels where the matrix is split by columns, by K where by rows.
 _FUSED_FROM = {"w_qkv": "wq", "b_qkv": "bq", "w_gate_up": "w_gate"}
 _PACKED_SPECS = {P(None, MODEL_AXIS): P(MODEL_AXIS, None, None), P(MODEL_AXIS, None): P(None, MODEL_AXIS, None)}
-# An int8 packed matrix's column scales [panels * PANEL_WIDTH] go with its columns.
-_PACKED_SCALE_SPECS = {P(None, MODEL_AXIS): P(MODEL_AXIS), P(MODEL_AXIS, None): P(None)}
+# An 8-bit packed matrix's column scales [panels * PANEL_WIDTH] go with its columns where it is split by
+# columns. Split by rows, each device packs its own rows (`place_params`), so its column scales are over
+# those rows alone: device d's block of a [tp * N] array split the same way, not one [N] array replicated
+# (whose gathered value would be device 0's scales for every device).
+_PACKED_SCALE_SPECS = {P(None, MODEL_AXIS): P(MODEL_AXIS), P(MODEL_AXIS, None): P(MODEL_AXIS)}
 
 
 def serving_specs(cfg: ModelConfig, serving: dict) -> dict:
