@@ -16,19 +16,25 @@ os.environ["JAXSERVE_TEST_USERS_XLA_FLAGS"] = USERS_XLA_FLAGS
 
 
 def _with_fast_cpu_codegen(flags: str) -> str:
-    """XLA_FLAGS with LLVM's optimization level 0 for the CPU code XLA emits, unless the flags set a level.
+    """XLA_FLAGS with the CPU code XLA emits built for compile speed, where the flags do not choose otherwise:
+    LLVM's optimization level 0, and XLA's older loop emitters for its fusions instead of the MLIR ones.
 
     Compiling dominates this suite's time on a 2-core machine: the default model's step is 30 unrolled
     layers, about 7 s an executable at XLA's default level and a little over half that at level 0 (2-core
-    AVX2 EPYC, 2026-12-02). Level 0 leaves XLA's own loops (norms, rotary embedding, sampling) unvectorized;
-    the matmuls and the attention are the C++ kernels' either way. It moves results in their last bits
-    (the default model's logprobs by about 1e-5), so tests/test_default_model.py also checks Hugging Face's
-    greedy tokens in a process at the users' flags. Speed is measured by the benchmarks, which do not import
-    this file. Set before JAX starts a backend, so that every process the tests start (servers, notebook
-    kernels, replicas) inherits it."""
-    if "xla_backend_optimization_level" in flags:
-        return flags
-    return f"{flags} --xla_backend_optimization_level=0".strip()
+    AVX2 EPYC, 2026-12-02). The older emitters take a third off what is left: the default model's 8 float32
+    executables compiled in 36.7 s of compile time at level 0 and 23.6 s with them, and
+    tests/test_cpu_attention.py with tests/test_kv_cache_fp8.py ran in 113 s and 72 s (2-core Zen 4 EPYC,
+    avx512_bf16 avx512_vnni, 2026-12-04). Both leave XLA's own loops (norms, rotary embedding, sampling)
+    less optimized; the matmuls and the attention are the C++ kernels' either way. They move results in their
+    last bits (the default model's logprobs by about 1e-5), so tests/test_default_model.py also checks Hugging
+    Face's greedy tokens in a process at the users' flags. Speed is measured by the benchmarks, which do not
+    import this file. Set before JAX starts a backend, so that every process the tests start (servers,
+    notebook kernels, replicas) inherits it."""
+    if "xla_backend_optimization_level" not in flags:
+        flags = f"{flags} --xla_backend_optimization_level=0"
+    if "xla_cpu_use_fusion_emitters" not in flags:
+        flags = f"{flags} --xla_cpu_use_fusion_emitters=false"
+    return flags.strip()
 
 
 os.environ["XLA_FLAGS"] = _with_fast_cpu_codegen(USERS_XLA_FLAGS)
