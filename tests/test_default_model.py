@@ -78,7 +78,8 @@ def test_greedy_matches_hf_for_chat_and_plain_prompts(llm, prompts, hf_tokens):
 USERS_GREEDY = """
 import json, sys
 from jaxserve import LLM, SamplingParams
-llm = LLM(None, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128, dtype="float32")
+llm = LLM(None, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128, dtype="float32",
+          min_prefill_bucket=128, min_decode_bucket=8)
 outs = llm.generate(json.load(sys.stdin), SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
 print(json.dumps([list(out.outputs[0].token_ids) for out in outs]))
 """
@@ -86,7 +87,9 @@ print(json.dumps([list(out.outputs[0].token_ids) for out in outs]))
 
 def test_greedy_matches_hf_compiled_as_users_compile(prompts, hf_tokens):
     """The same 8 prompts' tokens in a process at the users' XLA flags: the suite compiles XLA's own code at
-    LLVM level 0 to save time (tests/conftest.py), which moves results in their last bits."""
+    LLVM level 0 to save time (tests/conftest.py), which moves results in their last bits. One bucket of each
+    kind (128 tokens, 8 sequences): the executables at the users' flags are what take this test's time, and the
+    tokens must be Hugging Face's whatever the padding."""
     env = dict(os.environ, XLA_FLAGS=os.environ["JAXSERVE_TEST_USERS_XLA_FLAGS"])
     result = subprocess.run([sys.executable, "-c", USERS_GREEDY], input=json.dumps(prompts), capture_output=True,
                             text=True, timeout=900, env=env)

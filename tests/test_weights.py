@@ -397,19 +397,27 @@ def test_default_model_config(default_model):
 
 
 @pytest.mark.default_model
-def test_default_model_logits_match_transformers(default_model, tmp_path, monkeypatch):
+def test_default_model_logits_match_transformers(default_model):
     """The real 30-layer model agrees with transformers loading the same GGUF (same dequantized
     weights): guards the llama.cpp q/k un-permutation with 9 query and 3 kv heads, and tied embeddings.
-    The float32 copy that other tests read instead of the GGUF (tests/hf_gguf.py) gives the same logits."""
-    monkeypatch.setenv(hf_gguf.CACHE_ENV, str(tmp_path))  # empty: the first call reads the GGUF
+    The reference is the suite's shared one (tests/hf_gguf.py): transformers' read of the GGUF, or the float32
+    copy that the process which read it stored after checking that it gives the read's logits bit for bit."""
     reference = hf_gguf.hf_model_of_gguf(default_model_path())
-    (stored,) = tmp_path.iterdir()
+    assert sorted(p.name for p in hf_gguf.stored_copy(default_model_path()).iterdir()) == \
+        ["config.json", "generation_config.json", "model.safetensors"]
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = default_model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     token_ids = default_model.tokenizer.encode(prompt, add_special_tokens=False)
-    expected = torch_logits(reference, token_ids)
-    assert max_abs_diff(jax_logits(default_model, token_ids), expected) <= 1e-3
-    stored_model = hf_gguf.hf_model_of_gguf(default_model_path())  # the stored copy, read back
-    assert sorted(p.name for p in stored.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
-    assert np.array_equal(torch_logits(stored_model, token_ids), expected)
-    assert stored_model.lm_head.weight.data_ptr() == stored_model.model.embed_tokens.weight.data_ptr()  # tied
+    assert max_abs_diff(jax_logits(default_model, token_ids), torch_logits(reference, token_ids)) <= 1e-3
+    assert reference.lm_head.weight.data_ptr() == reference.model.embed_tokens.weight.data_ptr()  # tied
+
+
+def test_a_stored_float32_copy_is_checked_against_the_model_it_came_from(tiny_model_dir, tmp_path):
+    """hf_gguf's check of the copy it stores: it passes for a faithful copy and fails when one weight differs."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), dtype=torch.float32).eval()
+    hf_gguf.save_copy(model, tmp_path)
+    hf_gguf.check_stored_copy(model, tmp_path)
+    with torch.no_grad():
+        model.model.norm.weight[0] += 1e-3
+    with pytest.raises(AssertionError, match="does not give the logits"):
+        hf_gguf.check_stored_copy(model, tmp_path)
