@@ -109,24 +109,25 @@ def matmul_path(request):
     cpu_ffi.set_amx(True)
 
 
-# The files that take longest (seconds of setup and calls, summed; a fresh-clone run on a 2-core AVX2 EPYC,
-# 2026-12-02), run first. .ci/run gives each file to one of two workers, in collection order
+# The files that take longest (seconds of setup and calls, summed; a fresh-clone run on a 2-core Zen 4 EPYC,
+# 2026-12-04), run first. .ci/run gives each file to one of two workers, in collection order
 # (--no-loadscope-reorder; xdist's own order puts the files with most tests first, and so left these few-test
 # files to the end, one worker idle while the other ran the last of them): longest first keeps both busy.
 LONGEST_FIRST = (
-    "test_multihost.py",  # 564
-    "test_pallas_attention.py",  # 463
-    "test_gpu_run.py",  # 409
-    "test_notebook.py",  # 399
-    "test_default_model.py",  # 397
-    "test_structured_output.py",  # 374
-    "test_bench.py",  # 295
-    "test_server.py",  # 291
-    "test_quantized_xla.py",  # 255
-    "test_lora_engine.py",  # 244
-    "test_pallas_lowering.py",  # 216
-    "test_pallas_fp8.py",  # 204
-    "test_server_resilience.py",  # 197
+    "test_default_model.py",  # 204 (before its users'-flags check compiled 2 executables instead of 8)
+    "test_notebook.py",  # 190
+    "test_bench.py",  # 181
+    "test_gpu_run.py",  # 166
+    "test_pallas_attention.py",  # 148
+    "test_multihost.py",  # 145
+    "test_server_resilience.py",  # 136
+    "test_structured_output.py",  # 99
+    "test_pallas_lowering.py",  # 98
+    "test_pallas_fp8.py",  # 65
+    "test_speculative.py",  # 57
+    "test_chat_page.py",  # 53
+    "test_cpu_attention.py",  # 50
+    "test_server.py",  # 50
 )
 
 
