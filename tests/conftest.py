@@ -26,10 +26,10 @@ def _with_fast_cpu_codegen(flags: str) -> str:
     tests/test_cpu_attention.py with tests/test_kv_cache_fp8.py ran in 113 s and 72 s (2-core Zen 4 EPYC,
     avx512_bf16 avx512_vnni, 2026-12-04). Both leave XLA's own loops (norms, rotary embedding, sampling)
     less optimized; the matmuls and the attention are the C++ kernels' either way. They move results in their
-    last bits (the default model's logprobs by about 1e-5), so tests/test_default_model.py also checks Hugging
-    Face's greedy tokens in a process at the users' flags. Speed is measured by the benchmarks, which do not
-    import this file. Set before JAX starts a backend, so that every process the tests start (servers,
-    notebook kernels, replicas) inherits it."""
+    last bits (level 0 moved the default model's logprobs by about 1e-5), so tests/test_default_model.py
+    checks Hugging Face's greedy tokens in a process at the users' flags too. Speed is measured by the
+    benchmarks, which do not import this file. Set before JAX starts a backend, so that every process the tests
+    start (servers, notebook kernels, replicas) inherits it."""
     if "xla_backend_optimization_level" not in flags:
         flags = f"{flags} --xla_backend_optimization_level=0"
     if "xla_cpu_use_fusion_emitters" not in flags:
