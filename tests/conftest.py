@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import atexit
+import importlib.util
+import mmap
 import os
 import shutil
 import sys
@@ -17,7 +19,8 @@ os.environ["JAXSERVE_TEST_USERS_XLA_FLAGS"] = USERS_XLA_FLAGS
 
 def _with_fast_cpu_codegen(flags: str) -> str:
     """XLA_FLAGS with the CPU code XLA emits built for compile speed, where the flags do not choose otherwise:
-    LLVM's optimization level 0, and XLA's older loop emitters for its fusions instead of the MLIR ones.
+    LLVM's optimization level 0, and XLA's older loop emitters for its fusions instead of the MLIR ones
+    (where this jaxlib has their flag).
 
     Compiling dominates this suite's time on a 2-core machine: the default model's step is 30 unrolled
     layers, about 7 s an executable at XLA's default level and a little over half that at level 0 (2-core
@@ -32,9 +35,20 @@ def _with_fast_cpu_codegen(flags: str) -> str:
     start (servers, notebook kernels, replicas) inherits it."""
     if "xla_backend_optimization_level" not in flags:
         flags = f"{flags} --xla_backend_optimization_level=0"
-    if "xla_cpu_use_fusion_emitters" not in flags:
+    if "xla_cpu_use_fusion_emitters" not in flags and _xla_defines("xla_cpu_use_fusion_emitters"):
         flags = f"{flags} --xla_cpu_use_fusion_emitters=false"
     return flags.strip()
+
+
+def _xla_defines(flag: str) -> bool:
+    """Whether this jaxlib's XLA has the flag (it is in jaxlib 0.10.2): XLA stops a process at start-up on a
+    flag it does not know, and flags come and go between releases. Read from the library, without loading it."""
+    spec = importlib.util.find_spec("jaxlib")
+    library = Path(next(iter(spec.submodule_search_locations))) / "libjax_common.so"
+    if not library.is_file():
+        return False
+    with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        return data.find(flag.encode()) >= 0
 
 
 os.environ["XLA_FLAGS"] = _with_fast_cpu_codegen(USERS_XLA_FLAGS)
