@@ -99,7 +99,8 @@ def test_a_stuck_engine_turns_health_503_and_ends_its_requests(tiny_model_dir, t
 
 @pytest.fixture(scope="module")
 def default_server():
-    # The engine shape of test_default_model's LLM, so the executables come from the session's cache.
+    # The default-model limits of test_server.py's and the notebook's engines (dtype auto), so the executables come
+    # from the session's cache once one of them has compiled them.
     with run_server(["--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "128",
                      "--max-queued-requests", "256", "--api-key", AUTH["Authorization"].split()[1],
                      "--max-request-body-bytes", str(8 * 2**20)]) as srv:
