@@ -25,12 +25,18 @@ Sections, in the order they run (the most wanted first, as a late one may meet t
   server     `jaxserve serve` on the 1.7B shape, `jaxserve bench serve` at concurrency 64 (random 256
              in / 128 out), JSON schemas on half the requests at concurrency 32 against none, grounded
              prompts at concurrency 1; compilations after warm-up from /metrics
-  ngram      a second server with ngram speculation, the same grounded prompts at concurrency 1
   pytest     `pytest -m "gpu or not slow"` over the kernel, engine-kernel and sampler test files
+  ngram      a second server with ngram speculation, the same grounded prompts at concurrency 1 (random
+             weights do not copy from their prompts: on the H200 it drafted nothing, so this times
+             speculation's overhead, not its gain)
+  quant      the 8B shape's decode step, the device's ms, with fp8 weights against bfloat16 at batch 1 and
+             fp8 KV pages against bfloat16 pages at batch 64, context 4,096 (issue 37's GPU points), and
+             the GEMMs XLA compiled the fp8 step's dots to; four small engines of two executables each
   llama8b    Llama-3-8B's shape with no flags but --load-format dummy: the start-up memory plan,
-             decode steps at batch 1 and 64, TTFT of a 4,096-token prompt; last, as its warm-up alone
-             outlasted 140 s on an H200: it takes what the deadline leaves, and a second call runs it
-             alone (--only llama8b) where the first could not
+             decode steps at batch 1 and 64, TTFT of a 4,096-token prompt
+
+The first call runs the sections up to ngram (--part first; on the H200 they took 498 s of a 570 s
+deadline), a second call the 8B shape's (--part second), whose default engine alone took 170 s to start.
 
 The server sections need the wheels the GPU image lacks (benchmarks/gpu_wheels.py gathers them into
 .whl/; the call installs them with pip --no-index first). Sections share one persistent compilation
@@ -191,8 +197,9 @@ def section_kernels(ctx: Context) -> dict:
             r["share_of_matmul"] = case.flops() / (r["pallas_ms"] / 1e3) / ceilings["matmul_flops_per_s"]
         else:
             r["share_of_copy_floor"] = case.kv_bytes() / ceilings["copy_bytes_per_s"] / (r["pallas_ms"] / 1e3)
-        log(f"{case.name}: pallas {r['pallas_ms']:.3f} ms, xla {r['xla_ms']:.3f} ms, rel error "
-            f"{r.get('rel_error', float('nan')):.1e}, " + (f"{r['share_of_matmul']:.0%} of the matmul rate"
+        checked = (f"rel error {r['rel_error']:.1e}" if "rel_error" in r else
+                   "not checked (the dense reference would not fit), output finite" if r["finite"] else "NOT FINITE")
+        log(f"{case.name}: pallas {r['pallas_ms']:.3f} ms, xla {r['xla_ms']:.3f} ms, {checked}, " + (f"{r['share_of_matmul']:.0%} of the matmul rate"
                                                            if "tflops" in r else
                                                            f"{r['share_of_copy_floor']:.0%} of the copy floor"))
         results.append(r)
@@ -437,6 +444,79 @@ def section_llama8b(ctx: Context) -> dict:
     return result
 
 
+# The quant section's engines: one decode bucket each (B=1 at a short context, B=64 at 4,096), one prompt
+# bucket, and a pool of the pages the batch needs (no pool sized from memory, so no compile to measure a
+# step): two executables an engine, so four engines on the 8B shape fit where one engine of the defaults'
+# sixteen executables took 170 s to start
+QUANT_CASES = {  # case: (engine settings, batch, context), the tiny shape's in smoke runs
+    False: {"b1": (dict(max_num_seqs=1, max_num_batched_tokens=512, min_prefill_bucket=512, max_model_len=1024,
+                        num_kv_pages=72), 1, 300),
+            "b64": (dict(max_num_seqs=64, min_decode_bucket=64, max_num_batched_tokens=4096, min_prefill_bucket=4096,
+                         max_model_len=4224, num_kv_pages=64 * 264 + 8), 64, 4096)},
+    True: {"b1": (dict(max_num_seqs=1, max_num_batched_tokens=64, min_prefill_bucket=64, max_model_len=128,
+                       num_kv_pages=16), 1, 20),
+           "b64": (dict(max_num_seqs=4, min_decode_bucket=4, max_num_batched_tokens=128, min_prefill_bucket=128,
+                        max_model_len=128, num_kv_pages=40), 4, 100)},
+}
+# (label, case, the setting): each 8-bit setting beside bfloat16 at the point issue 37 names for it
+QUANT_RUNS = [("bf16", "b1", {}), ("fp8 weights", "b1", {"quantization": "fp8"}),
+              ("bf16", "b64", {}), ("fp8 KV", "b64", {"kv_cache_dtype": "fp8"})]
+
+
+def _gemm_kinds(hlo_text: str) -> dict[str, int]:
+    """What XLA compiled the step's matrix products to: cuBLAS(Lt) custom calls by target, and the
+    instructions (fusions included) that take float8_e4m3 operands."""
+    import collections
+    import re
+
+    kinds = collections.Counter(re.findall(r'custom_call_target="(__cublas[^"]*)"', hlo_text))
+    kinds["instructions with f8e4m3fn operands"] = sum(
+        1 for line in hlo_text.splitlines() if "=" in line and "f8e4m3fn[" in line.split("=", 1)[1])
+    return dict(kinds)
+
+
+def section_quant(ctx: Context) -> dict:
+    """Issue 37's GPU points on the 8B shape: fp8 weights against bfloat16 at batch 1, fp8 KV pages against
+    bfloat16 pages at batch 64 and context 4,096 (the device's ms per decode step, replayed), and which
+    GEMMs XLA compiled the fp8 step's dots to."""
+    import gc
+
+    import numpy as np
+    from bench_steps import engine_phases
+
+    cases = QUANT_CASES[ctx.smoke]
+    result: dict = {"runs": []}
+    for name, case, setting in QUANT_RUNS:
+        settings, batch, context = cases[case]
+        label = f"{name} B={batch} ctx {context}"
+        llm = engine_llm(ctx, ctx.shape("llama-3-8b"), dtype="bfloat16", **settings, **setting)
+        engine = llm.engine
+        rng = np.random.default_rng(3)
+        r = engine_phases(engine, np.asarray(random_prompts(rng, batch, context)), decode_steps=8 if ctx.smoke else 16,
+                          async_scheduling=True, device_repeats=8)
+        run = {"label": label, "name": name, "case": case, "setting": setting, "batch": batch, "context": context,
+               "step_ms": r["step_ms"], "device_ms": r["device_ms"], "buckets_run": r["buckets_run"],
+               "warmup_s": llm.warmup_summary["seconds"], "weight_bytes": engine.runner.device_weight_bytes,
+               "kv_cache_bytes": engine.runner.kv_cache_bytes,
+               "compilations_since_warmup": engine.num_compilations_since_warmup}
+        if setting.get("quantization"):
+            run["gemms"] = _gemm_kinds(engine.runner._executables["decode", batch].as_text())
+        result["runs"].append(run)
+        log(f"{label}: step {run['step_ms']:.2f} ms, device {run['device_ms']:.2f} ms, weights "
+            f"{run['weight_bytes'] / 2**30:.2f} GiB, KV pages {run['kv_cache_bytes'] / 2**30:.2f} GiB"
+            + (f"; GEMMs {run['gemms']}" if "gemms" in run else ""))
+        ctx.save(result)
+        del engine, llm
+        gc.collect()
+    device = {(run["name"], run["case"]): run["device_ms"] for run in result["runs"]}
+    result["fp8_weights_speedup_b1"] = device["bf16", "b1"] / device["fp8 weights", "b1"]
+    result["fp8_kv_speedup_b64"] = device["bf16", "b64"] / device["fp8 KV", "b64"]
+    log(f"device ms per decode step, bfloat16 over 8-bit: fp8 weights at B=1 {result['fp8_weights_speedup_b1']:.2f}x "
+        f"(issue 37 asks 1.6x), fp8 KV at B={cases['b64'][1]} ctx {cases['b64'][2]} "
+        f"{result['fp8_kv_speedup_b64']:.2f}x (1.4x at B=64 ctx 4,096)")
+    return result
+
+
 def _server(ctx: Context, name: str, extra: list[str], timeout: float):
     """Starts `jaxserve serve` on the step section's shape; returns (process, base URL)."""
     import socket
@@ -557,12 +637,18 @@ SECTIONS = {  # name: (function, time box in seconds on an H100)
     "ceilings": (section_ceilings, 25),
     "kernels": (section_kernels, 45),
     "step": (section_step, 200),  # the H200 reached its first timed step at 137 s (compiles 64-69 s of it)
-    "parity": (section_parity, 70),
+    "parity": (section_parity, 110),  # on the H200 (12d6c49) float32 alone took 57 s, and 70 s cut bfloat16 off
     "server": (section_server, 150),
+    "pytest": (section_pytest, 120),  # before ngram: on random weights ngram drafts nothing (0 drafts, H200)
     "ngram": (section_ngram, 90),
-    "pytest": (section_pytest, 120),
-    "llama8b": (section_llama8b, 200),  # 140 s ended the H200 run in the 8B warm-up (4 of 16 compiled)
+    # the second call's: on the H200 (12d6c49) the first call's sections up to ngram took 498 s of its 570
+    "quant": (section_quant, 200),
+    "llama8b": (section_llama8b, 200),  # its engine took 170 s to start on the H200, 69 s of it warm-up
 }
+
+
+# The two device calls a lease holds: the second's engines on the 8B shape take minutes to start
+PARTS = {"first": list(SECTIONS)[:list(SECTIONS).index("quant")], "second": ["quant", "llama8b"]}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -681,7 +767,16 @@ def _server_rows(g: dict) -> list:
             ("server grounded c1", f"{g['grounded_c1']['output_throughput']:.0f} out tok/s")]
 
 
-SUMMARIES = {"ceilings": _ceilings_rows, "kernels": _kernels_rows, "step": _step_rows, "parity": _parity_rows,
+def _quant_rows(q: dict) -> list:
+    rows = [(f"8B {r['label']}", f"step {r['step_ms']:.2f} ms, device {r['device_ms']:.2f} ms"
+             + (f"; GEMMs {r['gemms']}" if "gemms" in r else "")) for r in q["runs"]]
+    if "fp8_weights_speedup_b1" in q:
+        rows.append(("8B bf16 / 8-bit, device ms a step", f"fp8 weights B=1 {q['fp8_weights_speedup_b1']:.2f}x, "
+                                                          f"fp8 KV at the long context {q['fp8_kv_speedup_b64']:.2f}x"))
+    return rows
+
+
+SUMMARIES = {"ceilings": _ceilings_rows, "quant": _quant_rows, "kernels": _kernels_rows, "step": _step_rows, "parity": _parity_rows,
              "llama8b": _llama8b_rows, "server": _server_rows,
              "ngram": lambda g: [("ngram grounded c1", f"{g['grounded_c1']['output_throughput']:.0f} out tok/s")],
              "pytest": lambda t: [("pytest", f"rc {t['returncode']}: {t['summary']}")]}
@@ -708,7 +803,8 @@ def write_results(out: Path, facts: dict, sections: dict) -> str:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"machine": facts, "sections": sections}, indent=2, default=str))
     table = ["| what | result |", "|---|---|"] + [f"| {a} | {b} |" for a, b in summary_rows(sections)]
-    device = sections.get("ceilings", {}).get("result", {}).get("device", "?")
+    device = (sections.get("ceilings", {}).get("result", {}).get("device")
+              or (facts.get("nvidia_smi") or "?").split(",")[0])
     head = (f"# GPU run {facts['date']}, commit {facts['commit']}\n\n{device} "
             f"({facts.get('nvidia_smi') or 'no nvidia-smi'}), JAX {facts['jax']}, Python "
             f"{facts['python']}\n\nSections: " + ", ".join(f"{k} {v['seconds']:.0f} s" for k, v in sections.items())
@@ -726,6 +822,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="results folder (default $OUT, else benchmarks/results/gpu/latest)")
     parser.add_argument("--deadline-s", type=float, default=None, help="the whole run's limit (default 450; smoke 900)")
     parser.add_argument("--only", nargs="+", choices=list(SECTIONS), default=None)
+    parser.add_argument("--part", choices=list(PARTS), default=None,
+                        help="first: the sections up to ngram (the first device call); second: the 8B shape's")
     parser.add_argument("--box-s", type=float, default=None,
                         help="every section's time box (default each one's own): a rerun of one section after a fix")
     parser.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER))
@@ -765,7 +863,7 @@ def main(argv=None) -> int:
             sections["ceilings"] = earlier["sections"]["ceilings"] | {"from": args.ceilings_from}
             Path(workdir, "ceilings.json").write_text(json.dumps(sections["ceilings"]["result"]))
         os.environ["JAXSERVE_COMPILATION_CACHE"] = str(Path(workdir) / "xla")  # shared by the sections
-        for name in args.only or list(SECTIONS):
+        for name in args.only or PARTS.get(args.part, list(SECTIONS)):
             remaining = deadline - (time.perf_counter() - START)
             if remaining < 20:
                 sections[name] = {"seconds": 0.0, "error": f"not started: {remaining:.0f} s left of the deadline"}

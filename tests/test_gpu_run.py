@@ -62,6 +62,15 @@ def test_every_section_runs_and_reports(tmp_path):
     ngram = sections["ngram"]["result"]["grounded_c1"]
     assert ngram["failed"] == 0 and any(key.startswith("spec_") for key in ngram), ngram
     assert sections["pytest"]["result"]["returncode"] == 0
+    quant = sections["quant"]["result"]  # each setting's engine ran its one decode bucket, compiled nothing more
+    assert [(r["name"], r["batch"]) for r in quant["runs"]] == [("bf16", 1), ("fp8 weights", 1), ("bf16", 4), ("fp8 KV", 4)]
+    for r in quant["runs"]:
+        assert r["buckets_run"] == {f"decode {r['batch']}": 8} and r["compilations_since_warmup"] == 0, r
+        assert r["device_ms"] > 0
+    fp8, bf16 = quant["runs"][1], quant["runs"][0]
+    assert fp8["gemms"]["instructions with f8e4m3fn operands"] > 0 and fp8["weight_bytes"] < bf16["weight_bytes"]
+    assert quant["runs"][3]["kv_cache_bytes"] * 2 == quant["runs"][2]["kv_cache_bytes"]
+    assert quant["fp8_weights_speedup_b1"] > 0 and quant["fp8_kv_speedup_b64"] > 0
 
     out = tmp_path / "out"
     table = (out / "results.md").read_text()

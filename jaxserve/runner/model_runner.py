@@ -193,11 +193,13 @@ class ModelRunner:
         the largest prefill and decode buckets (temporaries, and outputs other than the pages updated in
         place) plus their inputs. Lowered over a pool of one sequence's pages: the pool is an argument
         updated in place, so its size does not change the rest. Warm-up compiles these two again for the
-        real pool (the persistent cache keeps both for the next start)."""
+        real pool (the persistent cache keeps both for the next start). The two compile side by side."""
         self.kv_cache = jax.eval_shape(functools.partial(self._init_kv_cache, self.cfg.pages_per_seq + 1))
         most = 0
-        for kind, bucket in (("prefill", self.prefill_buckets[-1]), ("decode", self.decode_buckets[-1])):
-            stats = self.lower(kind, bucket).compile().memory_analysis()
+        largest = [("prefill", self.prefill_buckets[-1]), ("decode", self.decode_buckets[-1])]
+        compiled = compilation.compile_all(lambda key: self.lower(*key), largest, "measuring a step", False)
+        for kind, bucket in largest:
+            stats = compiled[kind, bucket].memory_analysis()
             if stats is None:  # the platform does not say; the headroom gpu_memory_utilization leaves must do
                 logger.warning("XLA gives no memory analysis here: the KV cache leaves no room for a step")
                 continue
