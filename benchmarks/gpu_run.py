@@ -17,6 +17,8 @@ Sections, in the order they run (the most wanted first, as a late one may meet t
   step       SmolLM2-1.7B's shape, random bf16 weights made on the device (--load-format dummy):
              the decode step at batch 1/32/128, contexts ~300 and ~2,000, asynchronous scheduling off
              and on: host phases, wall, device time, busy share, the floor from bytes moved, MBU, MFU;
+             the launch phase with the inputs put on the device first, none or the last 2 steps'
+             kept (ModelRunner.hold_staged_inputs), against numpy inputs, at batch 1 and 128;
              a profiler trace of 8 steps at batch 128, context ~300, read back there: the device's
              ms per step on each of its lines and the 12 largest kernels or ops (results.json);
              then offline throughput, 256 prompts of 32..512 tokens, 128 out (the 7,276 tok/s workload)
@@ -99,6 +101,7 @@ class Context:
         self.workdir = Path(args.workdir)
         self.tokenizer = Path(args.tokenizer)
         self.section = args.section
+        self.box = args.section_box  # this section's time box, seconds
 
     def save(self, result: dict) -> None:
         """The section's results so far: a section stopped by its time box still reports what it measured."""
@@ -282,6 +285,31 @@ def _device_profile(ctx: Context, engine, prompts: "list[list[int]]", steps: int
     return {"batch": len(prompts), "context": len(prompts[0]), "steps": steps, "lines": lines}
 
 
+def _staged_inputs(ctx: Context, engine, rng, result: dict, batches, context: int, decode_steps: int) -> None:
+    """The launch phase with the step's inputs put on the device first (ModelRunner.hold_staged_inputs):
+    none of them kept after their step (0), or the last 2 steps' kept alive (2), against numpy inputs in
+    the same run; asynchronous scheduling on, the smallest and largest batch at the short context."""
+    import numpy as np
+    from bench_steps import engine_phases
+
+    runner = engine.runner
+    result["staged_inputs"] = []
+    for batch in (batches[0], batches[-1]):
+        for held in (None, 0, 2):
+            runner.hold_staged_inputs = held
+            try:
+                r = engine_phases(engine, np.asarray(random_prompts(rng, batch, context)), decode_steps, True,
+                                  device_repeats=16)
+            finally:
+                runner.hold_staged_inputs = None
+                runner._staged_inputs.clear()
+            engine.pool.reset_prefix_cache()
+            result["staged_inputs"].append(r | {"batch": batch, "context": context, "held": held})
+            ctx.save(result)
+            log(f"B={batch} ctx={context} inputs {'numpy' if held is None else f'on the device, {held} held'}: "
+                f"step {r['step_ms']:.2f} ms, launch {r['phase_ms']['launch']:.2f} ms, device {r['device_ms']:.2f}")
+
+
 def section_step(ctx: Context) -> dict:
     import numpy as np
     from bench_steps import engine_phases
@@ -319,7 +347,8 @@ def section_step(ctx: Context) -> dict:
                 log(f"B={batch} ctx={context} async={'on' if async_scheduling else 'off'}: step {r['step_ms']:.2f} ms "
                     f"(device {r['device_ms']:.2f}, busy {r['device_busy']:.0%}, floor {floor_ms:.2f}, host "
                     f"{r['host_ms']:.2f}: {phases})")
-        if i == 0:  # the issue's step (the largest batch at the short context): where its device time goes
+        if i == 0:  # the launch phase's experiment, then where the issue's step's device time goes
+            _staged_inputs(ctx, engine, rng, result, batches, context, decode_steps)
             try:
                 result["profile"] = _device_profile(ctx, engine, random_prompts(rng, batches[-1], context), steps=8)
                 busiest = max(result["profile"]["lines"], key=lambda line: line["ms_per_step"])
@@ -618,15 +647,27 @@ def section_ngram(ctx: Context) -> dict:
 
 
 def section_pytest(ctx: Context) -> dict:
+    """The tests, one line each (-v), stopped 15 s inside the section's box so that what ran is reported
+    (the box kills the section's process, and with it pytest's captured output)."""
     files = ["tests/test_pallas_attention.py", "tests/test_pallas_engine.py", "tests/test_sampling.py"]
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu or not slow", *files]
+    command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu or not slow", *files]
     if ctx.smoke:  # on a CPU these would interpret the kernels for minutes: check the command collects
         command.append("--collect-only")
-    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
-    tail = (done.stdout + done.stderr).strip().splitlines()[-30:]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=max(ctx.box - 15, 10))
+        returncode, output = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as e:  # killed; what it printed until then
+        returncode = None
+        output = "".join(part.decode(errors="replace") if isinstance(part, bytes) else part or ""
+                         for part in (e.stdout, e.stderr))
+    lines = output.strip().splitlines()
+    counts = {outcome: sum(1 for line in lines if f" {outcome}" in line and "::" in line)
+              for outcome in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
+    tail = lines[-40:]
     print("\n".join(tail), flush=True)
-    return {"returncode": done.returncode, "summary": tail[-1] if tail else "", "tail": tail,
-            "collect_only": ctx.smoke}
+    summary = tail[-1] if tail and returncode is not None else f"stopped at the box: {counts}"
+    return {"returncode": returncode, "summary": summary, "counts": counts, "tail": tail,
+            "failed": [line for line in lines if " FAILED" in line or " ERROR" in line][:40], "collect_only": ctx.smoke}
 
 
 # A smoke run on a busy 2-core CPU (CI runs two test files at once) is not an H100: its sections get this
@@ -636,7 +677,7 @@ SMOKE_BOX_FACTOR = 4
 SECTIONS = {  # name: (function, time box in seconds on an H100)
     "ceilings": (section_ceilings, 25),
     "kernels": (section_kernels, 45),
-    "step": (section_step, 200),  # the H200 reached its first timed step at 137 s (compiles 64-69 s of it)
+    "step": (section_step, 220),  # 182 s on the H200 (12d6c49), before the staged-inputs experiment
     "parity": (section_parity, 110),  # on the H200 (12d6c49) float32 alone took 57 s, and 70 s cut bfloat16 off
     "server": (section_server, 150),
     "pytest": (section_pytest, 120),  # before ngram: on random weights ngram drafts nothing (0 drafts, H200)
@@ -656,8 +697,8 @@ PARTS = {"first": list(SECTIONS)[:list(SECTIONS).index("quant")], "second": ["qu
 
 
 def run_section(name: str, args: argparse.Namespace, timeout: float, log_file) -> dict:
-    command = [sys.executable, __file__, "--section", name, "--workdir", args.workdir,
-               "--tokenizer", args.tokenizer] + (["--smoke"] if args.smoke else [])
+    command = [sys.executable, __file__, "--section", name, "--workdir", args.workdir, "--section-box",
+               f"{timeout:.0f}", "--tokenizer", args.tokenizer] + (["--smoke"] if args.smoke else [])
     start = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True, cwd=REPO)
@@ -732,6 +773,10 @@ def _step_rows(s: dict) -> list:
         rows.append((f"step B={r['batch']} ctx {r['context']} async {'on' if r['async_scheduling'] else 'off'}",
                      f"{r['step_ms']:.2f} ms, device {r['device_ms']:.2f}, busy {r['device_busy']:.0%}, host "
                      f"{r['host_ms']:.2f}, {r['step_over_floor']:.1f}x floor {r['floor_ms']:.2f}"))
+    for r in s.get("staged_inputs", []):
+        rows.append((f"step B={r['batch']} ctx {r['context']} inputs "
+                     + ("numpy" if r["held"] is None else f"on the device, {r['held']} held"),
+                     f"{r['step_ms']:.2f} ms, launch {r['phase_ms']['launch']:.2f} ms, device {r['device_ms']:.2f}"))
     if (profile := s.get("profile")) and profile.get("lines"):
         busiest = max(profile["lines"], key=lambda line: line["ms_per_step"])
         rows.append((f"profile B={profile['batch']} ctx {profile['context']}",
@@ -831,6 +876,7 @@ def main(argv=None) -> int:
                         help="skip measuring the ceilings: take them from an earlier run's results.json (same card)")
     parser.add_argument("--section", choices=list(SECTIONS), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--section-box", type=float, default=600.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.section:  # one section, in its own process

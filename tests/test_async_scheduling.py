@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import random
 
+import jax
 import pytest
 
 from jaxserve import LLM, SamplingParams
@@ -144,6 +145,23 @@ def test_outputs_pages_and_counts_are_the_same_with_async_scheduling(engines):
         assert _cached_hashes(sync) == _cached_hashes(async_)
     else:
         assert s["num_preemptions"] > 0 and a["num_preemptions"] > 0
+
+
+def test_inputs_put_on_the_device_before_the_call_change_nothing(engines):
+    """The GPU run's launch experiment (ModelRunner.hold_staged_inputs): each step's packed inputs put on
+    the device before the call, the last 2 steps' kept alive, and no more; the outputs are the same."""
+    sync, async_ = engines
+    work = workload(sync)
+    runner = async_.engine.runner
+    runner.hold_staged_inputs = 2
+    try:
+        staged = _run(async_, work)
+        kept = list(runner._staged_inputs)
+    finally:
+        runner.hold_staged_inputs = None
+        runner._staged_inputs.clear()
+    assert len(kept) == 2 and all(isinstance(x, jax.Array) for step in kept for x in jax.tree.leaves(step))
+    assert_same_outputs(_run(sync, work), staged)
 
 
 def test_an_abort_mid_stream_ends_the_same_way(engines):

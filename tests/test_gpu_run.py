@@ -41,6 +41,9 @@ def test_every_section_runs_and_reports(tmp_path):
         assert r["buckets_run"] == {f"decode {r['batch']}": r["decode_steps"]}, r
         assert r["step_ms"] > 0 and 0 < r["device_busy"] <= 1 and r["floor_ms"] > 0
     assert {(r["batch"], r["async_scheduling"]) for r in step["steps"]} == {(1, False), (1, True), (4, False), (4, True)}
+    staged = step["staged_inputs"]  # the launch experiment: numpy, device with none held, with 2 held
+    assert [(r["batch"], r["held"]) for r in staged] == [(b, h) for b in (1, 4) for h in (None, 0, 2)]
+    assert all(r["buckets_run"] == {f"decode {r['batch']}": r["decode_steps"]} for r in staged), staged
     profile = step["profile"]  # the steady largest batch's trace, read back: its busiest line has events
     assert profile["batch"] == 4 and profile["steps"] == 8 and "error" not in profile, profile
     assert max(line["ms_per_step"] for line in profile["lines"]) > 0 and all(line["top"] for line in profile["lines"])

@@ -15,6 +15,7 @@ This module does not decide what runs (scheduler.py) or when a request ends (eng
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import time
@@ -126,6 +127,12 @@ class ModelRunner:
         self._prompt_logprob_executables: dict[int, object] = {}  # per prefill bucket
         self._hidden: tuple[int, jax.Array] | None = None  # the last prefill step's bucket and output
         self.on_launch: Callable[[str, int, StepInputs], None] | None = None  # multihost.Leader.send_step
+        # An experiment for the GPU run (benchmarks/gpu_run.py, step section), off unless set: the step's
+        # packed inputs put on the device before the call, the last `hold_staged_inputs` steps' kept alive.
+        # On a GPU the call's host phase ("launch") took about the device's step (2.8 of 2.5 ms at batch 1,
+        # 1.7B shape, H200): does handing it numpy arrays, or their buffers' reuse, make it wait?
+        self.hold_staged_inputs: int | None = None
+        self._staged_inputs: collections.deque = collections.deque()
         self.inputs = StepInputBuilder(model_cfg, self.cfg)
         if resolved.num_pages is None:  # the pool takes what the weights and the largest step leave
             # The loader's copy of the weights is alive while the pool is allocated (its owner drops it later).
@@ -301,8 +308,14 @@ class ModelRunner:
         if inputs.row_updates is not None:
             writer = self._row_writers[len(inputs.row_updates.req_indices)]
             self.batch_state = writer(self.batch_state, inputs.row_updates)
+        packed = step_inputs.pack(inputs)
+        if self.hold_staged_inputs is not None and self.parallel is None:
+            packed = jax.device_put(packed)
+            self._staged_inputs.append(packed)
+            while len(self._staged_inputs) > self.hold_staged_inputs:
+                self._staged_inputs.popleft()
         output, self.kv_cache, self.batch_state, *hidden = self._executables[kind, bucket](
-            self.params, self.kv_cache, self.batch_state, step_inputs.pack(inputs))
+            self.params, self.kv_cache, self.batch_state, packed)
         self._hidden = (bucket, hidden[0]) if hidden else None
         return output
 
