@@ -66,8 +66,7 @@ def jax_logits(loaded: LoadedModel, token_ids) -> np.ndarray:
 
 
 def torch_logits(model: torch.nn.Module, token_ids) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([list(token_ids)])).logits[0].float().numpy()
+    return hf_gguf.logits(model, list(token_ids)).float().numpy()
 
 
 def max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
