@@ -202,9 +202,9 @@ def section_kernels(ctx: Context) -> dict:
             r["share_of_copy_floor"] = case.kv_bytes() / ceilings["copy_bytes_per_s"] / (r["pallas_ms"] / 1e3)
         checked = (f"rel error {r['rel_error']:.1e}" if "rel_error" in r else
                    "not checked (the dense reference would not fit), output finite" if r["finite"] else "NOT FINITE")
-        log(f"{case.name}: pallas {r['pallas_ms']:.3f} ms, xla {r['xla_ms']:.3f} ms, {checked}, " + (f"{r['share_of_matmul']:.0%} of the matmul rate"
-                                                           if "tflops" in r else
-                                                           f"{r['share_of_copy_floor']:.0%} of the copy floor"))
+        share = (f"{r['share_of_matmul']:.0%} of the matmul rate" if "tflops" in r else
+                 f"{r['share_of_copy_floor']:.0%} of the copy floor")
+        log(f"{case.name}: pallas {r['pallas_ms']:.3f} ms, xla {r['xla_ms']:.3f} ms, {checked}, {share}")
         results.append(r)
         ctx.save({"cases": results, "interpreted": interpret})
     return {"cases": results, "interpreted": interpret}
@@ -475,7 +475,7 @@ def section_llama8b(ctx: Context) -> dict:
 
 # The quant section's engines: one decode bucket each (B=1 at a short context, B=64 at 4,096), one prompt
 # bucket, and a pool of the pages the batch needs (no pool sized from memory, so no compile to measure a
-# step): two executables an engine, so four engines on the 8B shape fit where one engine of the defaults'
+# step): two step executables an engine, so four engines on the 8B shape fit where one engine of the defaults'
 # sixteen executables took 170 s to start
 QUANT_CASES = {  # case: (engine settings, batch, context), the tiny shape's in smoke runs
     False: {"b1": (dict(max_num_seqs=1, max_num_batched_tokens=512, min_prefill_bucket=512, max_model_len=1024,
@@ -487,7 +487,7 @@ QUANT_CASES = {  # case: (engine settings, batch, context), the tiny shape's in 
            "b64": (dict(max_num_seqs=4, min_decode_bucket=4, max_num_batched_tokens=128, min_prefill_bucket=128,
                         max_model_len=128, num_kv_pages=40), 4, 100)},
 }
-# (label, case, the setting): each 8-bit setting beside bfloat16 at the point issue 37 names for it
+# (name, case, setting): each 8-bit setting beside bfloat16 at the point issue 37 names for it
 QUANT_RUNS = [("bf16", "b1", {}), ("fp8 weights", "b1", {"quantization": "fp8"}),
               ("bf16", "b64", {}), ("fp8 KV", "b64", {"kv_cache_dtype": "fp8"})]
 
@@ -821,8 +821,8 @@ def _quant_rows(q: dict) -> list:
     return rows
 
 
-SUMMARIES = {"ceilings": _ceilings_rows, "quant": _quant_rows, "kernels": _kernels_rows, "step": _step_rows, "parity": _parity_rows,
-             "llama8b": _llama8b_rows, "server": _server_rows,
+SUMMARIES = {"ceilings": _ceilings_rows, "kernels": _kernels_rows, "step": _step_rows, "parity": _parity_rows,
+             "llama8b": _llama8b_rows, "server": _server_rows, "quant": _quant_rows,
              "ngram": lambda g: [("ngram grounded c1", f"{g['grounded_c1']['output_throughput']:.0f} out tok/s")],
              "pytest": lambda t: [("pytest", f"rc {t['returncode']}: {t['summary']}")]}
 

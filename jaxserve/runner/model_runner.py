@@ -128,9 +128,10 @@ class ModelRunner:
         self._hidden: tuple[int, jax.Array] | None = None  # the last prefill step's bucket and output
         self.on_launch: Callable[[str, int, StepInputs], None] | None = None  # multihost.Leader.send_step
         # An experiment for the GPU run (benchmarks/gpu_run.py, step section), off unless set: the step's
-        # packed inputs put on the device before the call, the last `hold_staged_inputs` steps' kept alive.
-        # On a GPU the call's host phase ("launch") took about the device's step (2.8 of 2.5 ms at batch 1,
-        # 1.7B shape, H200): does handing it numpy arrays, or their buffers' reuse, make it wait?
+        # packed inputs put on the device before the call (one device only), the last `hold_staged_inputs`
+        # steps' kept alive. On a GPU the call's host phase ("launch") took about the device's step (2.8 of
+        # 2.5 ms at batch 1, 1.7B shape, H200): does handing it numpy arrays, or their buffers' reuse, make
+        # it wait?
         self.hold_staged_inputs: int | None = None
         self._staged_inputs: collections.deque = collections.deque()
         self.inputs = StepInputBuilder(model_cfg, self.cfg)
