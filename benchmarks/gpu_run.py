@@ -302,7 +302,7 @@ def _staged_inputs(ctx: Context, engine, rng, result: dict, batches, context: in
                                   device_repeats=16)
             finally:
                 runner.hold_staged_inputs = None
-                runner._staged_inputs.clear()
+                runner.staged_inputs.clear()
             engine.pool.reset_prefix_cache()
             result["staged_inputs"].append(r | {"batch": batch, "context": context, "held": held})
             ctx.save(result)
@@ -514,11 +514,11 @@ def section_quant(ctx: Context) -> dict:
     from bench_steps import engine_phases
 
     cases = QUANT_CASES[ctx.smoke]
-    result: dict = {"runs": []}
+    result: dict = {"shape": ctx.shape("llama-3-8b"), "runs": []}
     for name, case, setting in QUANT_RUNS:
         settings, batch, context = cases[case]
         label = f"{name} B={batch} ctx {context}"
-        llm = engine_llm(ctx, ctx.shape("llama-3-8b"), dtype="bfloat16", **settings, **setting)
+        llm = engine_llm(ctx, result["shape"], dtype="bfloat16", **settings, **setting)
         engine = llm.engine
         rng = np.random.default_rng(3)
         r = engine_phases(engine, np.asarray(random_prompts(rng, batch, context)), decode_steps=8 if ctx.smoke else 16,
@@ -529,7 +529,7 @@ def section_quant(ctx: Context) -> dict:
                "kv_cache_bytes": engine.runner.kv_cache_bytes,
                "compilations_since_warmup": engine.num_compilations_since_warmup}
         if setting.get("quantization"):
-            run["gemms"] = _gemm_kinds(engine.runner._executables["decode", batch].as_text())
+            run["gemms"] = _gemm_kinds(engine.runner.compiled_text("decode", batch))
         result["runs"].append(run)
         log(f"{label}: step {run['step_ms']:.2f} ms, device {run['device_ms']:.2f} ms, weights "
             f"{run['weight_bytes'] / 2**30:.2f} GiB, KV pages {run['kv_cache_bytes'] / 2**30:.2f} GiB"
@@ -813,10 +813,10 @@ def _server_rows(g: dict) -> list:
 
 
 def _quant_rows(q: dict) -> list:
-    rows = [(f"8B {r['label']}", f"step {r['step_ms']:.2f} ms, device {r['device_ms']:.2f} ms"
+    rows = [(f"{q['shape']} {r['label']}", f"step {r['step_ms']:.2f} ms, device {r['device_ms']:.2f} ms"
              + (f"; GEMMs {r['gemms']}" if "gemms" in r else "")) for r in q["runs"]]
     if "fp8_weights_speedup_b1" in q:
-        rows.append(("8B bf16 / 8-bit, device ms a step", f"fp8 weights B=1 {q['fp8_weights_speedup_b1']:.2f}x, "
+        rows.append((f"{q['shape']} bf16 / 8-bit, device ms a step", f"fp8 weights B=1 {q['fp8_weights_speedup_b1']:.2f}x, "
                                                           f"fp8 KV at the long context {q['fp8_kv_speedup_b64']:.2f}x"))
     return rows
 

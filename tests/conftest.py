@@ -33,16 +33,16 @@ def _with_fast_cpu_codegen(flags: str) -> str:
     checks Hugging Face's greedy tokens in a process at the users' flags too. Speed is measured by the
     benchmarks, which do not import this file. Set before JAX starts a backend, so that every process the tests
     start (servers, notebook kernels, replicas) inherits it."""
-    if _gpu_plugin_installed():  # level 0 would reach the GPU's own code too, never measured there
+    if gpu_plugin_installed():  # level 0 would reach the GPU's own code too, never measured there
         return flags.strip()
     if "xla_backend_optimization_level" not in flags:
         flags = f"{flags} --xla_backend_optimization_level=0"
-    if "xla_cpu_use_fusion_emitters" not in flags and _xla_defines("xla_cpu_use_fusion_emitters"):
+    if "xla_cpu_use_fusion_emitters" not in flags and xla_defines("xla_cpu_use_fusion_emitters"):
         flags = f"{flags} --xla_cpu_use_fusion_emitters=false"
     return flags.strip()
 
 
-def _gpu_plugin_installed() -> bool:
+def gpu_plugin_installed() -> bool:
     """Whether JAX has a GPU plugin here (jax_plugins.xla_cuda12, xla_cuda13, xla_rocm...)."""
     spec = importlib.util.find_spec("jax_plugins")
     return spec is not None and any(
@@ -50,7 +50,7 @@ def _gpu_plugin_installed() -> bool:
         for location in spec.submodule_search_locations for path in Path(location).iterdir())
 
 
-def _xla_defines(flag: str, library: Path | None = None) -> bool:
+def xla_defines(flag: str, library: Path | None = None) -> bool:
     """Whether this jaxlib's XLA has the flag (jaxlib 0.10.2 has it; 0.11.2 does not): XLA stops a process at
     start-up on a flag it does not know (exit status 1), and flags come and go between releases. Read from the
     library, without loading it: a flag's name is a C string there, NUL on both sides. A bare match is not

@@ -156,10 +156,10 @@ def test_inputs_put_on_the_device_before_the_call_change_nothing(engines):
     runner.hold_staged_inputs = 2
     try:
         staged = _run(async_, work)
-        kept = list(runner._staged_inputs)
+        kept = list(runner.staged_inputs)
     finally:
         runner.hold_staged_inputs = None
-        runner._staged_inputs.clear()
+        runner.staged_inputs.clear()
     assert len(kept) == 2 and all(isinstance(x, jax.Array) for step in kept for x in jax.tree.leaves(step))
     assert_same_outputs(_run(sync, work), staged)
 

@@ -133,7 +133,7 @@ class ModelRunner:
         # 2.5 ms at batch 1, 1.7B shape, H200): does handing it numpy arrays, or their buffers' reuse, make
         # it wait?
         self.hold_staged_inputs: int | None = None
-        self._staged_inputs: collections.deque = collections.deque()
+        self.staged_inputs: collections.deque = collections.deque()
         self.inputs = StepInputBuilder(model_cfg, self.cfg)
         if resolved.num_pages is None:  # the pool takes what the weights and the largest step leave
             # The loader's copy of the weights is alive while the pool is allocated (its owner drops it later).
@@ -254,6 +254,10 @@ class ModelRunner:
         logger.debug("compiled %d executables in %.1f s", summary["num_executables"], summary["seconds"])
         return summary
 
+    def compiled_text(self, kind: str, bucket: int) -> str:
+        """One warmed-up bucket's executable as XLA compiled it (optimized HLO: its fusions, kernels, GEMMs)."""
+        return self._executables[kind, bucket].as_text()
+
     def lower(self, kind: str, bucket: int, platforms: tuple[str, ...] | None = None):
         """Lowers one bucket's step function ("prefill" or "decode") for this machine or `platforms`."""
         fn = self._decode if kind == "decode" else self._prefill
@@ -312,9 +316,9 @@ class ModelRunner:
         packed = step_inputs.pack(inputs)
         if self.hold_staged_inputs is not None and self.parallel is None:
             packed = jax.device_put(packed)
-            self._staged_inputs.append(packed)
-            while len(self._staged_inputs) > self.hold_staged_inputs:
-                self._staged_inputs.popleft()
+            self.staged_inputs.append(packed)
+            while len(self.staged_inputs) > self.hold_staged_inputs:
+                self.staged_inputs.popleft()
         output, self.kv_cache, self.batch_state, *hidden = self._executables[kind, bucket](
             self.params, self.kv_cache, self.batch_state, packed)
         self._hidden = (bucket, hidden[0]) if hidden else None
