@@ -3,11 +3,10 @@ one ends the process at start-up, exit status 1, before pytest prints a line).""
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
-
-import importlib
 
 from conftest import gpu_plugin_installed, xla_defines
 
