@@ -60,11 +60,32 @@ def prompts(llm):
         add_special_tokens=False)} for c in CHAT]
 
 
+def _hf_argmaxes(model, prompt_ids: list[int], tokens: list[int]) -> list[int]:
+    """The model's argmax after the prompt and after each of `tokens` but the last: one forward pass."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + tokens[:-1]])).logits[0, len(prompt_ids) - 1:]
+    return logits.argmax(-1).tolist()
+
+
 @pytest.fixture(scope="module")
 def hf_tokens(llm, hf_model, prompts):
-    """HF transformers' 32 greedy tokens for each prompt."""
+    """HF transformers' 32 greedy tokens for each prompt (to its EOS, if sooner).
+
+    Greedy tokens are those each of which is the model's argmax given the prompt and the tokens before it. So
+    HF's model scores the engine's greedy tokens in one forward pass a prompt (HF's `generate` loop takes about
+    2.5 s a prompt here, most of this module's setup after the engine's): where its argmaxes are those tokens
+    and they end as `generate` would (32 tokens, or its EOS), they are HF's greedy tokens. Where they are not,
+    HF's `generate` gives HF's own tokens, which the tests then find different."""
     eos_id = llm.engine.model_cfg.eos_token_ids[0]
-    return [_hf_greedy(hf_model, prompt["prompt_token_ids"], 32, eos_id) for prompt in prompts]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    tokens = []
+    for prompt, out in zip(prompts, outs):
+        prompt_ids, engine_tokens = prompt["prompt_token_ids"], list(out.outputs[0].token_ids)
+        scored = _hf_argmaxes(hf_model, prompt_ids, engine_tokens)
+        ends_as_generate = len(scored) == 32 or scored[-1] == eos_id
+        tokens.append(scored if scored == engine_tokens and ends_as_generate
+                      else _hf_greedy(hf_model, prompt_ids, 32, eos_id))
+    return tokens
 
 
 def test_greedy_matches_hf_for_chat_and_plain_prompts(llm, prompts, hf_tokens):
@@ -73,6 +94,15 @@ def test_greedy_matches_hf_for_chat_and_plain_prompts(llm, prompts, hf_tokens):
     for prompt, out, expected in zip(prompts, outs, hf_tokens):
         assert out.outputs[0].token_ids == expected, llm.tokenizer.decode(prompt["prompt_token_ids"])
     assert "Paris" in outs[4].outputs[0].text
+
+
+def test_the_reference_scoring_finds_a_token_that_is_not_hfs_argmax(hf_model, prompts, hf_tokens):
+    """hf_tokens' one-pass scoring tells a wrong token: one of HF's greedy tokens replaced, the argmax after its
+    prefix is still HF's token, not the replacement."""
+    prompt_ids, expected = prompts[0]["prompt_token_ids"], hf_tokens[0]
+    wrong = expected[:5] + [expected[5] + 1] + expected[6:]
+    scored = _hf_argmaxes(hf_model, prompt_ids, wrong)
+    assert scored[:6] == expected[:6] and scored != wrong
 
 
 USERS_GREEDY = """
