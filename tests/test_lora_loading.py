@@ -10,7 +10,6 @@ import json
 import threading
 
 import numpy as np
-import peft
 import pytest
 import torch
 from lora_adapters import load_base, make_peft_adapter, peft_greedy
@@ -29,6 +28,8 @@ ATTENTION, MLP = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_pro
 
 def _peft_deltas(base_dir, adapter_dir, x_by_target: dict[str, torch.Tensor]) -> dict[tuple[str, int], np.ndarray]:
     """PEFT's own delta (the LoRA layer's output minus its base layer's) for each adapted projection."""
+    import peft  # here, not at the top: 3.5 s of every test process's collection
+
     model = peft.PeftModel.from_pretrained(load_base(base_dir), str(adapter_dir)).eval()
     deltas = {}
     with torch.no_grad():
