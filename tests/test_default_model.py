@@ -15,7 +15,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.ops.packed_matmul import PackedWeight
 from jaxserve.models.transformer import MATRICES
 from jaxserve.weights import default_model_path
-from hf_gguf import hf_model_of_gguf
+from hf_gguf import hf_model_of_gguf, logits
 
 pytestmark = pytest.mark.default_model
 
@@ -62,9 +62,7 @@ def prompts(llm):
 
 def _hf_argmaxes(model, prompt_ids: list[int], tokens: list[int]) -> list[int]:
     """The model's argmax after the prompt and after each of `tokens` but the last: one forward pass."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt_ids + tokens[:-1]])).logits[0, len(prompt_ids) - 1:]
-    return logits.argmax(-1).tolist()
+    return logits(model, prompt_ids + tokens[:-1])[len(prompt_ids) - 1:].argmax(-1).tolist()
 
 
 @pytest.fixture(scope="module")
