@@ -3,13 +3,14 @@ change did not make the engine slower (run-to-run and day-to-day variation on a 
 larger than most changes, so before and after must come from the same run).
 
     python benchmarks/compare_revisions.py BASE [HEAD] [--rounds 3] [--concurrency 1 8 32]
-                                           [--base-flags "..."] [--head-flags "..."]
+                                           [--base-flags "..."] [--head-flags "..."] [--client vllm]
 
 Each revision is checked out in its own worktree under --work-dir and served from there (`python -m
 jaxserve.cli serve` run in the worktree imports that worktree's jaxserve; both use this virtualenv's
 packages). Both servers start before any load and get the same limits as compare_vllm.py's; this
 checkout's `jaxserve bench serve` drives both, on the same fresh random prompts per round and
-concurrency (256 in / 128 out, --ignore-eos), base then head, round after round; medians. BASE and
+concurrency (256 in / 128 out, --ignore-eos), base then head, round after round; medians (--client vllm:
+`vllm bench serve` instead, from compare_vllm.py's virtualenv, which it sets up if missing). BASE and
 HEAD may be the same revision with different serve flags (--base-flags, --head-flags), to measure a
 setting the same way.
 """
@@ -24,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from compare_vllm import REPO, bench, export_model, log, median_run, server
+from compare_vllm import REPO, bench, export_model, log, median_run, server, setup_vllm
 
 
 def worktree(rev: str, work_dir: Path) -> tuple[str, Path]:
@@ -50,8 +51,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", type=Path, default=REPO / ".bench")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "revisions.json")
+    parser.add_argument("--client", choices=["jaxserve", "vllm"], default="jaxserve",
+                        help="compare_vllm.bench's client for both: this checkout's `jaxserve bench serve`, or "
+                             "`vllm bench serve`")
     args = parser.parse_args()
-    args.client = "jaxserve"  # compare_vllm.bench's client: this checkout's `jaxserve bench serve`, for both
+    if args.client == "vllm":
+        args.vllm_python = setup_vllm(args.work_dir / "vllm-venv")
     raw = args.work_dir / "runs"
     raw.mkdir(parents=True, exist_ok=True)
     args.hf_dir = export_model(args.work_dir / "smollm2-135m-instruct-hf")  # the client's tokenizer
@@ -85,7 +90,8 @@ def main() -> None:
         lines.append(f"| {c} | {b['output_throughput']:.1f} | {h['output_throughput']:.1f} | "
                      f"**{h['output_throughput'] / b['output_throughput']:.2f}x** | "
                      f"{b['median_ttft_ms']:.0f} / {h['median_ttft_ms']:.0f} | {each} |")
-    text = "\n".join([f"SmolLM2-135M-Instruct, float32, {args.input_len} in / {args.output_len} out, --ignore-eos; "
+    text = "\n".join([f"SmolLM2-135M-Instruct, {args.input_len} in / {args.output_len} out, --ignore-eos, "
+                      f"client {args.client} bench serve; "
                       f"median of {args.rounds} alternating rounds; limits {' '.join(limits)}", *lines,
                       "start-up: " + ", ".join(f"{name} {s:.1f} s" for name, s in startup.items())])
     print("\n" + text)

@@ -112,9 +112,11 @@ class Submission(list):
 
 
 def submit(state: ServerState, prompts: list[list[int]], params: SamplingParams, priority: int,
-           lora_request: LoRARequest | None = None) -> Submission:
+           lora_request: LoRARequest | None = None, received: float | None = None) -> Submission:
     """Admits one HTTP request's `len(prompts) * n` sequences (run with `lora_request`'s adapter, if
-    given) or raises 400 / 503."""
+    given) or raises 400 / 503. `received`: when the route started handling it (time.monotonic), before
+    tokenizing: its sequences wait for admission behind requests received earlier, not behind those
+    whose tokenization (on one of several threads) merely ended first."""
     count = len(prompts) * params.n
     if count > state.capacity:
         raise APIError(400, f"the request asks for {count} sequences (prompts x n), more than this server "
@@ -132,7 +134,7 @@ def submit(state: ServerState, prompts: list[list[int]], params: SamplingParams,
         for p, ids in enumerate(prompts):
             for i in range(params.n):
                 streams.append(state.engine_loop.submit(ids, params, f"{base}-{p}-{i}", priority, loop, i,
-                                                        lora_request=lora_request))
+                                                        lora_request=lora_request, arrival_time=received))
     except (ValueError, RuntimeError) as e:
         for stream in streams:
             state.engine_loop.abort(stream.request_id)

@@ -15,6 +15,7 @@ no Content-Type without a CORS preflight, and such a body is never parsed.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -148,6 +149,7 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_b
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
+        received = time.monotonic()
         lora = edge.check_model(state, body.model)
         if body.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
@@ -167,10 +169,11 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_b
             edge.check_context(state, len(ids), max_tokens, "prompt")
         echo = [await state.run_blocking(state.tokenizer.decode, ids) if body.echo else "" for ids in prompts]
         fmt = CompletionFormat(state.tokenizer, len(prompts) * body.n, echo, body.n, body.logprobs, prompts, echo_only)
-        return await _generate(state, raw, body, prompts, params, fmt, lora)
+        return await _generate(state, raw, body, prompts, params, fmt, lora, received)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        received = time.monotonic()
         lora = edge.check_model(state, body.model)
         max_tokens = body.max_completion_tokens or body.max_tokens
         num_top = (body.top_logprobs or 0) if body.logprobs else None
@@ -185,7 +188,7 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_b
                                          body.continue_final_message, calling and calling.tools)
         edge.check_context(state, len(ids), max_tokens, "messages")
         fmt = ChatFormat(state.tokenizer, body.n, num_top, calling)
-        return await _generate(state, raw, body, [ids], params, fmt, lora)
+        return await _generate(state, raw, body, [ids], params, fmt, lora, received)
 
     app.include_router(responses_router(state, tool_call_parser))  # /v1/responses: responses_api.py
     if state.loras.enabled:  # /v1/load_lora_adapter and /v1/unload_lora_adapter: lora.py
@@ -194,10 +197,10 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, *, max_request_b
 
 
 async def _generate(state: ServerState, raw: Request, body, prompts: list[list[int]], params,
-                    fmt: ChoiceFormat, lora=None):
-    """Admits the request's sequences (with `lora`'s adapter, if given) and answers with their output,
-    whole or streamed."""
-    submission: Submission = submit(state, prompts, params, body.priority, lora)
+                    fmt: ChoiceFormat, lora=None, received: float | None = None):
+    """Admits the request's sequences (with `lora`'s adapter, if given; received: see `submit`) and
+    answers with their output, whole or streamed."""
+    submission: Submission = submit(state, prompts, params, body.priority, lora, received)
     try:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

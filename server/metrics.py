@@ -112,17 +112,18 @@ class Metrics:
 
 
 class RequestTimer:
-    """Observes one request's TTFT, inter-token latencies and end-to-end latency."""
+    """Observes one request's TTFT, inter-token latencies and end-to-end latency, timed from its arrival
+    (`Request.arrival_time`, time.monotonic: the route's receipt, so tokenizing counts, as a client sees it)."""
 
-    def __init__(self, metrics: Metrics):
+    def __init__(self, metrics: Metrics, arrival_time: float):
         self.metrics = metrics
-        self.start = self.last = time.perf_counter()
+        self.start = self.last = arrival_time
         self.num_tokens = 0
 
     def tokens(self, count: int) -> None:
         if count <= 0:
             return
-        now = time.perf_counter()
+        now = time.monotonic()
         if self.num_tokens == 0:
             self.metrics.ttft.observe(now - self.start)
         else:
@@ -133,5 +134,5 @@ class RequestTimer:
         self.last = now
 
     def finished(self, reason: str) -> None:
-        self.metrics.e2e.observe(time.perf_counter() - self.start)
+        self.metrics.e2e.observe(time.monotonic() - self.start)
         self.metrics.request_success.labels(finished_reason=reason).inc()

@@ -70,6 +70,7 @@ def responses_router(state: ServerState, tool_call_parser: str | None) -> APIRou
 
     @router.post("/v1/responses")
     async def create_response(body: ResponsesRequest, raw: Request):
+        received = time.monotonic()
         lora = edge.check_model(state, body.model)
         for name, why in RESPONSES_REFUSED.items():
             if getattr(body, name) is not None:
@@ -98,7 +99,7 @@ def responses_router(state: ServerState, tool_call_parser: str | None) -> APIRou
                 output = OUTPUT_ITEMS.validate_python(response["output"])
                 store.put(response, conversation + input_messages(output, check_arguments=False))
 
-        submission = submit(state, [ids], params, body.priority, lora)
+        submission = submit(state, [ids], params, body.priority, lora, received)
         try:
             if body.stream:
                 return submission_stream(event_stream(state, submission, builder, fmt, len(ids), on_done), submission)

@@ -47,7 +47,7 @@ async def merged(state: ServerState, submission: Submission) -> AsyncIterator[tu
     """Deltas of several streams as they come, tagged with the stream's index; raises a stream's
     error; closes the submission on exit."""
     queue: asyncio.Queue = asyncio.Queue()
-    timers = [RequestTimer(state.metrics) for _ in submission]
+    timers = [RequestTimer(state.metrics, stream.request.arrival_time) for stream in submission]
 
     async def pump(index: int, stream: RequestStream):
         async for delta in stream:

@@ -302,6 +302,19 @@ def test_fcfs_admits_by_arrival_whatever_the_priority():
     assert [r.request_id for r in scheduler.waiting] == ["e"]
 
 
+def test_fcfs_admits_by_arrival_time_not_by_the_order_requests_reach_the_scheduler():
+    """The server tokenizes on several threads, so a request can reach the scheduler after one that arrived
+    later: waiting requests are admitted by arrival_time, ties in the order they were added."""
+    scheduler = _scheduler(max_num_seqs=2, max_num_batched_tokens=64)
+    for rid, arrived in [("late", 2.0), ("early", 1.0), ("tie-first", 3.0), ("tie-second", 3.0)]:
+        request = _request(rid, 3, max_tokens=2)
+        request.arrival_time = arrived
+        scheduler.add_request(request)
+    out, _ = _step(scheduler)
+    assert _ids(out) == [("early", 3), ("late", 3)]
+    assert [r.request_id for r in scheduler.waiting] == ["tie-first", "tie-second"]
+
+
 def test_token_budget_is_respected_and_prompts_are_chunked():
     """No step schedules more than max_num_batched_tokens; the prompt that overflows it is chunked."""
     scheduler = _scheduler(max_num_seqs=8, max_num_batched_tokens=32)

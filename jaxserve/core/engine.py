@@ -142,10 +142,11 @@ class LLMEngine:
         return num_compilations() - self._compilations_after_warmup
 
     def make_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                     priority: int = 0, sample_index: int = 0, lora_request: LoRARequest | None = None) -> Request:
+                     priority: int = 0, sample_index: int = 0, lora_request: LoRARequest | None = None,
+                     arrival_time: float | None = None) -> Request:
         """Validates a request without queueing it (safe from any thread); raises ValueError naming the problem.
         lora_request: the LoRA adapter it runs with, registered and loaded here if new (LoRAError if it
-        cannot be served)."""
+        cannot be served). arrival_time: when it arrived (time.monotonic; default now), which orders admission."""
         prompt = checked_prompt(prompt_token_ids, priority, self.cfg, self.model_cfg.vocab_size)
         check_lora_request(self.lora, lora_request)
         room = self.cfg.max_model_len - len(prompt)
@@ -157,6 +158,8 @@ class LLMEngine:
         check_sampling_params(params, self.model_cfg.vocab_size, self.cfg)  # after the draws: a refused request uses them up
         request = Request(request_id, prompt, params, seed=seed, max_tokens=max_tokens,
                           eos_token_ids=self.model_cfg.eos_token_ids, priority=priority, lora_request=lora_request)
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(prompt)
         if self.tokenizer is not None:

@@ -176,13 +176,15 @@ class EngineLoop:
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                priority: int = 0, loop: asyncio.AbstractEventLoop | None = None,
-               sample_index: int = 0, lora_request=None) -> RequestStream:
+               sample_index: int = 0, lora_request=None, arrival_time: float | None = None) -> RequestStream:
         """Validates now (raising ValueError to the caller) and queues the request for the engine.
-        `lora_request`: the LoRA adapter it runs with (a `jaxserve.lora.LoRARequest`; None: the base model)."""
+        `lora_request`: the LoRA adapter it runs with (a `jaxserve.lora.LoRARequest`; None: the base model);
+        `arrival_time`: when it arrived (time.monotonic; default now): waiting requests are admitted in that order."""
         if not self.is_alive:
             raise RuntimeError("the engine loop is not running") from self.error
         lora = {} if lora_request is None else {"lora_request": lora_request}
-        request = self.engine.make_request(prompt_token_ids, params, request_id, priority, sample_index, **lora)
+        request = self.engine.make_request(prompt_token_ids, params, request_id, priority, sample_index, **lora,
+                                           arrival_time=arrival_time)
         stream = RequestStream(request, loop)
         self._commands.put(("add", stream))
         self._wakeup.set()

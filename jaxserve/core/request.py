@@ -47,7 +47,9 @@ class Request:
     max_tokens: int  # sampling_params.max_tokens capped so prompt + output fits max_model_len
     eos_token_ids: tuple[int, ...] = ()
     priority: int = 0  # lower runs first; ties go by arrival
-    arrival_index: int = 0  # set by the scheduler: the order requests arrived in
+    arrival_index: int = 0  # set by the scheduler: the order requests reached it (ties of arrival_time)
+    # When the request arrived (time.monotonic): when the HTTP server received it, before tokenizing, else
+    # when it was made. Waiting requests are admitted in this order, whatever order their tokenization ended in.
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the pages (or will be, once launched steps end)

@@ -2,7 +2,8 @@
 
 vLLM V1's policy: no prefill/decode phases; every request moves `num_computed_tokens` toward
 `num_tokens`. Running requests go first (decodes and unfinished prompt chunks), then waiting ones in
-arrival order (under scheduling_policy "priority": (priority, arrival) order), under the token budget
+arrival order (`Request.arrival_time`, the HTTP server's receipt: two requests tokenized side by side keep
+their order; under scheduling_policy "priority": (priority, arrival) order), under the token budget
 `max_num_batched_tokens` and `max_num_seqs`; a prompt longer than the budget left is chunked, so a long
 prompt never stalls running decodes. At admission the prefix cache supplies the longest cached run of
 full pages. When pages run out, the running request admitted most recently (under "priority": with the
@@ -116,8 +117,8 @@ class Scheduler:
     def _rank(self, request: Request) -> int:
         return request.priority if self._uses_priority else 0
 
-    def _waiting_key(self, request: Request) -> tuple[int, int]:
-        return self._rank(request), request.arrival_index
+    def _waiting_key(self, request: Request) -> tuple[int, float, int]:
+        return self._rank(request), request.arrival_time, request.arrival_index
 
     def _enqueue(self, request: Request) -> None:
         bisect.insort(self.waiting, request, key=self._waiting_key)
