@@ -24,6 +24,8 @@ Steps (each prints what it does):
 4. The bench client on the random dataset (--input-len in, --output-len out, --ignore-eos), per round and
    concurrency, every configuration in turn (A B C A B C); medians. --client vllm (the default) is
    `vllm bench serve`, vLLM's own client, for every engine; --client jaxserve is `jaxserve bench serve`.
+   With vLLM's client, results.md also ranks each run's request 0 by TTFT: the client warms up with copies
+   of it, so it is a prefix-cache hit, served at once where the client happens to send it early.
 5. Unless --skip-vllm-client-check: `vllm bench serve` and `jaxserve bench serve` against the first jaxserve
    configuration at one concurrency, alternating (--client-check-rounds each, the same prompts for both in
    a round), to check that the clients agree. --client-check-only starts that jaxserve alone and runs just this.
@@ -197,6 +199,21 @@ def bench(label: str, port: int, concurrency: int, num_prompts: int, seed: int, 
     return json.loads(out.read_text())["runs"][0]
 
 
+def warm_up_hit_line(runs: dict[str, dict[int, list[dict]]]) -> str:
+    """Where each run served its request 0: `vllm bench serve` warms up with copies of that prompt, so it is a
+    prefix-cache hit needing one step, served at once only if the client happens to send it early (the client
+    starts a burst's requests in an order of its own). Per engine and concurrency, each run's rank of request 0's
+    TTFT among its TTFTs (1: served first), so a median TTFT can be read with it."""
+    parts = []
+    for name, per_c in runs.items():
+        for concurrency, results in per_c.items():
+            ranks = [f"{sorted(r['ttfts']).index(r['ttfts'][0]) + 1}/{len(r['ttfts'])}" for r in results if r.get("ttfts")]
+            if ranks:
+                parts.append(f"{name} c{concurrency}: {' '.join(ranks)}")
+    return ("request 0 (the client's warm-up prompt, a prefix-cache hit), its TTFT's rank in each run: "
+            + "; ".join(parts)) if parts else ""
+
+
 def median_run(runs: list[dict]) -> dict:
     """The run with the median output throughput (a real run, so its latencies belong together)."""
     ordered = sorted(runs, key=lambda r: r["output_throughput"])
@@ -339,6 +356,8 @@ def main() -> None:
         "server start-up (ready to serve, warm-up included): "
         + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in startup.items()),
     ])
+    if args.client == "vllm" and warm_up_hit_line(runs):
+        text += "\n" + warm_up_hit_line(runs)
     if client_check:
         text += "\n" + client_check["line"]
     print("\n" + text)

