@@ -29,8 +29,9 @@ Steps (each prints what it does):
 5. Unless --skip-vllm-client-check: `vllm bench serve` and `jaxserve bench serve` against the first jaxserve
    configuration at one concurrency, alternating (--client-check-rounds each, the same prompts for both in
    a round), to check that the clients agree. --client-check-only starts that jaxserve alone and runs just this.
-6. The compute ceiling from a large f32 matmul measured here (the fastest of XLA's dot, PyTorch's and
-   jaxserve's packed kernel), and each engine's fraction of it.
+6. The compute ceiling in each dtype an engine multiplies in (float32, bfloat16), from the fastest large
+   matmul measured here in it (XLA's dot, PyTorch's, jaxserve's packed kernel), and each engine's fraction
+   of its own dtype's ceiling (jaxserve's dtype as its start-up line gives it; 8-bit weights have none).
 Writes results.json, results.md (the table) and results.png (the plot) into --out-dir.
 """
 
@@ -220,11 +221,24 @@ def median_run(runs: list[dict]) -> dict:
     return ordered[len(ordered) // 2]
 
 
-def fastest_matmul() -> float:
-    """FLOP/s of the fastest f32 matmul here: XLA's dot, PyTorch's, or jaxserve's own packed kernel."""
-    from jaxserve.bench.hardware import measure_matmul_flops, measure_packed_matmul_flops, measure_torch_matmul_flops
+def fastest_matmuls() -> dict[str, float]:
+    """dtype -> FLOP/s of the fastest large matmul here in it: XLA's dot, PyTorch's, or jaxserve's packed kernel."""
+    from jaxserve.bench.hardware import CEILING_DTYPES, cpu_matmul_ceiling
 
-    return max(measure_matmul_flops(), measure_torch_matmul_flops() or 0.0, measure_packed_matmul_flops() or 0.0)
+    return {dtype: cpu_matmul_ceiling(dtype, with_torch=True) for dtype in CEILING_DTYPES}
+
+
+def multiply_dtype(log_path: Path) -> str | None:
+    """The dtype a jaxserve server's weights are held in, from its start-up line ("jaxserve: weights bfloat16
+    (the C++ matmul), ..."); None where the log has no such line."""
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    found = re.search(r"^jaxserve: weights (\S+)", text, re.MULTILINE)
+    return found.group(1) if found else None
+
+
+def ceiling_share(throughput: float, dtype: str | None, ceilings: dict[str, float]) -> str:
+    """An engine's output tok/s as a share of its dtype's ceiling (output tok/s), or a dash where it has none."""
+    return f"{throughput / ceilings[dtype]:.0%}" if dtype in ceilings else "-"
 
 
 def main() -> None:
@@ -286,7 +300,7 @@ def main() -> None:
         print(check["line"])
         (args.out_dir / "client_check.json").write_text(json.dumps(check, indent=2))
         return
-    matmul_before = fastest_matmul()  # before any server starts
+    matmul_before = fastest_matmuls()  # before any server starts
     with contextlib.ExitStack() as stack:
         startup = {name: stack.enter_context(server(name, cfg["cmd"], cfg["port"], raw / f"{slug(name)}.log",
                                                     cfg.get("env")))
@@ -310,21 +324,26 @@ def main() -> None:
                                              args.concurrency[0], first["port"])
     for name, cfg in vllms.items():
         cfg["bound"] = omp_binding(raw / f"{slug(name)}.log")
+    for name, cfg in ours.items():
+        cfg["dtype"] = multiply_dtype(raw / f"{slug(name)}.log")
 
     from jaxserve.bench.hardware import model_flops
     from jaxserve.bench.metrics import format_sweep, plot_sweep
     from jaxserve.weights import load_model
 
-    matmul_after = fastest_matmul()
-    matmul = max(matmul_before, matmul_after)  # a slow moment of the shared machine must not lower the ceiling
+    matmul_after = fastest_matmuls()
+    # a slow moment of the shared machine must not lower a ceiling
+    matmul = {dtype: max(rate, matmul_after[dtype]) for dtype, rate in matmul_before.items()}
     model_cfg = load_model(None).config
     per_request = model_flops(model_cfg, args.input_len, args.output_len)
-    ceiling = matmul / per_request * args.output_len  # output tok/s if every FLOP ran at the matmul rate
+    # output tok/s if every FLOP ran at the dtype's matmul rate
+    ceilings = {dtype: rate / per_request * args.output_len for dtype, rate in matmul.items()}
     medians = {name: [median_run(per_c[c]) | {"max_concurrency": c} for c in args.concurrency]
                for name, per_c in runs.items()}
     table = format_sweep(medians)
     ratios = ["| jaxserve configuration | concurrency | fastest vLLM configuration here | output tok/s jaxserve / "
-              "vLLM | median TTFT jaxserve / vLLM | jaxserve / ceiling |", "|---" * 6 + "|"]
+              "vLLM | median TTFT jaxserve / vLLM | jaxserve / its dtype's ceiling | vLLM / its dtype's ceiling |",
+              "|---" * 7 + "|"]
     for name in ours:
         for i, concurrency in enumerate(args.concurrency):
             ours_run = medians[name][i]
@@ -333,7 +352,8 @@ def main() -> None:
             ratios.append(f"| {name} | {concurrency} | {peer} | "
                           f"**{ours_run['output_throughput'] / theirs['output_throughput']:.2f}x** | "
                           f"{ours_run['median_ttft_ms'] / theirs['median_ttft_ms']:.2f}x | "
-                          f"{ours_run['output_throughput'] / ceiling:.0%} |")
+                          f"{ceiling_share(ours_run['output_throughput'], ours[name]['dtype'], ceilings)} | "
+                          f"{ceiling_share(theirs['output_throughput'], vllms[peer]['dtype'], ceilings)} |")
     from jaxserve.ops.cpu_ffi import cpu_features
 
     flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
@@ -350,9 +370,11 @@ def main() -> None:
         f"--ignore-eos, client {client}; median of {args.rounds} alternating runs; {machine}",
         f"limits for all: {limits}, KV cache {args.kv_cache_gib} GiB", *configs, "",
         table, "", *ratios, "",
-        f"compute ceiling: {ceiling:.0f} output tok/s at a matmul rate of {matmul / 1e9:.0f} GFLOP/s, the faster of "
-        f"{matmul_before / 1e9:.0f} before and {matmul_after / 1e9:.0f} after the runs ({per_request / 1e9:.1f} GFLOP "
-        f"per request)",
+        "compute ceilings (output tok/s if every FLOP ran at the fastest large matmul measured here in the dtype, "
+        f"the faster of before and after the runs; {per_request / 1e9:.1f} GFLOP per request): "
+        + "; ".join(f"{dtype} {ceilings[dtype]:.0f} at {matmul[dtype] / 1e9:.0f} GFLOP/s ({matmul_before[dtype] / 1e9:.0f} "
+                    f"and {matmul_after[dtype] / 1e9:.0f})" for dtype in matmul)
+        + "; jaxserve's dtype: " + ", ".join(f"{name} {cfg['dtype']}" for name, cfg in ours.items()),
         "server start-up (ready to serve, warm-up included): "
         + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in startup.items()),
     ])
@@ -369,7 +391,7 @@ def main() -> None:
          "machine": machine, "limits": limits,
          "configs": {name: {k: v for k, v in cfg.items() if k not in ("cmd", "env")} for name, cfg in engines.items()},
          "matmul_flops": matmul, "matmul_flops_before_after": [matmul_before, matmul_after],
-         "ceiling_output_tok_s": ceiling, "startup_s": startup, "runs": runs,
+         "ceiling_output_tok_s": ceilings, "startup_s": startup, "runs": runs,
          "medians": medians, "client_check": client_check}, indent=2))
     log(f"wrote {args.out_dir}/results.md, results.png, results.json")
 

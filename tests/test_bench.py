@@ -68,6 +68,46 @@ def test_the_vllm_comparison_reports_where_each_run_served_the_warm_up_prompt(co
     assert compare_vllm.warm_up_hit_line({"jaxserve": {8: [{}]}}) == ""
 
 
+def test_the_vllm_comparison_measures_each_engine_against_its_own_dtypes_ceiling(compare_vllm, tmp_path):
+    """An engine that multiplies in bfloat16 is measured against a bfloat16 ceiling, not float32's (on a CPU
+    with AVX512-BF16 half of it, which put a bfloat16 engine at 126% of its "ceiling"): jaxserve's dtype is
+    read from its start-up line, and 8-bit weights, for which nothing is measured, get no share."""
+    log = tmp_path / "jaxserve.log"
+    log.write_text("jaxserve: defaults for cpu (a CPU's defaults): kv_cache_dtype bfloat16\n"
+                   "jaxserve: weights bfloat16 (the C++ matmul), 257.1 MiB per device; KV pages bfloat16\n")
+    assert compare_vllm.multiply_dtype(log) == "bfloat16"
+    log.write_text("jaxserve: weights int8 (the C++ matmul), 80.0 MiB per device\n")
+    assert compare_vllm.multiply_dtype(log) == "int8"
+    assert compare_vllm.multiply_dtype(tmp_path / "absent.log") is None
+    ceilings = {"float32": 300.0, "bfloat16": 600.0}
+    assert compare_vllm.ceiling_share(396.7, "bfloat16", ceilings) == "66%"
+    assert compare_vllm.ceiling_share(150.0, "float32", ceilings) == "50%"
+    assert compare_vllm.ceiling_share(500.0, "int8", ceilings) == "-"
+    assert compare_vllm.ceiling_share(500.0, None, ceilings) == "-"
+
+
+def test_a_cpu_ceiling_is_measured_in_the_dtype_asked_for(monkeypatch):
+    """The ceiling of a bfloat16 engine is a bfloat16 matmul's: XLA's dot in bfloat16 and the packed kernel
+    with its weights packed in bfloat16 (a tiny size here: what is checked is what runs, not its speed)."""
+    from jaxserve.bench import hardware
+    from jaxserve.ops import cpu_ffi
+    from jaxserve.ops.packed_matmul import PackedWeight
+
+    packed_in, xla_in = [], []
+    pack = PackedWeight.pack.__func__
+    monkeypatch.setattr(PackedWeight, "pack", classmethod(
+        lambda cls, w, *args, **kwargs: packed_in.append(kwargs.get("dtype")) or pack(cls, w, *args, **kwargs)))
+    measure = hardware.measure_matmul_flops
+    monkeypatch.setattr(hardware, "measure_matmul_flops",
+                        lambda size, repeats, dtype: xla_in.append(str(dtype)) or measure(size, repeats, dtype))
+    for dtype in hardware.CEILING_DTYPES:
+        assert hardware.cpu_matmul_ceiling(dtype, size=64, repeats=1) > 0
+    assert xla_in == ["float32", "bfloat16"]
+    assert packed_in == ([] if cpu_ffi.kernel_error() else ["float32", "bfloat16"])
+    with pytest.raises(ValueError, match="'int8'"):
+        hardware.cpu_matmul_ceiling("int8")
+
+
 # -- metrics -------------------------------------------------------------------------------------
 
 
@@ -229,7 +269,11 @@ def test_bench_throughput_counts_every_token(tiny_model_dir, tmp_path):
     assert result["total_output_tokens"] == 60 and result["num_prompts"] == 10
     assert result["num_steps"] >= 6  # at least one step per output token
     assert result["stats"]["compilations_since_warmup"] == 0
-    assert "output tokens/s" in run.stdout and "of a large f32 matmul" in run.stdout
+    assert "output tokens/s" in run.stdout
+    # the ceiling is a matmul in the dtype the engine ran in (auto: bfloat16 on a CPU with AVX512-BF16)
+    ceiling = re.search(r"of a large (\w+) matmul measured now", run.stdout)
+    weights = re.search(r"^jaxserve: weights (\w+)", run.stderr, re.MULTILINE)
+    assert ceiling and weights and ceiling.group(1) == weights.group(1), (run.stdout, run.stderr)
 
 
 def test_bench_throughput_reports_speculation_on_grounded_prompts(tiny_model_dir, tmp_path):

@@ -1,8 +1,9 @@
 """How close a run came to the machine's limits: model FLOPs and weight bytes against the device's peak.
 
 On a GPU the peak comes from the data sheet of the device kind JAX reports (dense, no sparsity). On
-a CPU there is no honest data-sheet number, so the peak is a large f32 matmul measured in the same
-process, which is what the benchmarks' "compute ceiling" is built from.
+a CPU there is no honest data-sheet number, so the peak is the fastest large matmul measured in the same
+process in the dtype the engine multiplies in (float32, or bfloat16: on a CPU with AVX512-BF16 twice
+float32's rate), which is what the benchmarks' "compute ceiling" is built from.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ def _best_seconds(run, repeats: int) -> float:
     return best
 
 
+# The dtypes a CPU ceiling is measured in: what the matmuls multiply in (8-bit engines have none here).
+CEILING_DTYPES = ("float32", "bfloat16")
+
+
 def measure_matmul_flops(size: int = 2048, repeats: int = 10, dtype=jnp.float32) -> float:
     """FLOP/s of a square matmul on the default device, best of `repeats` after a warm-up."""
     a = jnp.ones((size, size), dtype)
@@ -49,27 +54,42 @@ def measure_matmul_flops(size: int = 2048, repeats: int = 10, dtype=jnp.float32)
     return 2 * size**3 / _best_seconds(lambda: matmul(a, a).block_until_ready(), repeats)
 
 
-def measure_packed_matmul_flops(size: int = 2048, repeats: int = 10) -> float | None:
+def measure_packed_matmul_flops(size: int = 2048, repeats: int = 10, dtype: str = "float32") -> float | None:
     """The same measurement through jaxserve's own CPU matmul (`cpu_ffi`), where it builds: the
-    ceiling must not be lower than a matmul the engine itself runs."""
+    ceiling must not be lower than a matmul the engine itself runs. dtype: the packed weights' type,
+    float32 or bfloat16 (the `cpu-bf16` kernel, float32 activations rounded to bfloat16 in the call)."""
     from jaxserve.ops import cpu_ffi, packed_matmul
 
     if jax.default_backend() != "cpu" or cpu_ffi.kernel_error():
         return None
     a = jnp.ones((size, size), jnp.float32)
-    w = jax.device_put(packed_matmul.PackedWeight.pack(jnp.ones((size, size), jnp.float32)))
+    w = jax.device_put(packed_matmul.PackedWeight.pack(jnp.ones((size, size), jnp.float32), dtype=dtype))
     matmul = jax.jit(packed_matmul.matmul)
     return 2 * size**3 / _best_seconds(lambda: matmul(a, w).block_until_ready(), repeats)
 
 
-def measure_torch_matmul_flops(size: int = 2048, repeats: int = 10) -> float | None:
+def measure_torch_matmul_flops(size: int = 2048, repeats: int = 10, dtype: str = "float32") -> float | None:
     """The same measurement through PyTorch (what HF transformers and vLLM-CPU run on), if installed."""
     try:
         import torch
     except ImportError:
         return None
-    a = torch.ones(size, size)
+    a = torch.ones(size, size, dtype=getattr(torch, dtype))
     return 2 * size**3 / _best_seconds(lambda: a @ a, repeats)
+
+
+def cpu_matmul_ceiling(dtype: str = "float32", *, with_torch: bool = False, size: int = 2048,
+                       repeats: int = 10) -> float:
+    """FLOP/s of the fastest large matmul here in `dtype` (one of CEILING_DTYPES): XLA's dot, jaxserve's
+    packed kernel, and with_torch PyTorch's (vLLM-CPU's). A bfloat16 engine's ceiling is measured in
+    bfloat16: on a CPU with AVX512-BF16 it is about twice float32's, so a float32 ceiling would flatter it."""
+    if dtype not in CEILING_DTYPES:
+        raise ValueError(f"a CPU matmul ceiling is measured in one of {CEILING_DTYPES}, not {dtype!r}")
+    rates = [measure_matmul_flops(size, repeats, jnp.dtype(dtype)),
+             measure_packed_matmul_flops(size, repeats, dtype) or 0.0]
+    if with_torch:
+        rates.append(measure_torch_matmul_flops(size, repeats, dtype) or 0.0)
+    return max(rates)
 
 
 def model_flops(model_cfg, num_prompt_tokens: int, num_output_tokens: int) -> float:
@@ -90,7 +110,8 @@ def param_bytes(params) -> int:
 
 def utilization_lines(model_cfg, params, dtype: str, num_prompt_tokens: int, num_output_tokens: int,
                       num_steps: int, seconds: float) -> list[str]:
-    """Human lines: achieved model FLOP/s and weight bandwidth, and their fraction of the peak."""
+    """Human lines: achieved model FLOP/s and weight bandwidth, and their fraction of the peak. dtype: what
+    the matmuls multiply in (on a CPU the ceiling is measured in it; an 8-bit one is measured as float32)."""
     flops = model_flops(model_cfg, num_prompt_tokens, num_output_tokens) / seconds
     weight_bandwidth = param_bytes(params) * num_steps / seconds  # every step reads every weight once
     device = jax.devices()[0]
@@ -104,7 +125,8 @@ def utilization_lines(model_cfg, params, dtype: str, num_prompt_tokens: int, num
             lines.append(f"{device.device_kind}: MFU {flops / peak[0]:.1%} of {peak[0] / 1e12:.0f} TFLOP/s, "
                          f"MBU (weights only) {weight_bandwidth / peak[1]:.1%} of {peak[1] / 1e12:.2f} TB/s")
     else:
-        matmul = max(measure_matmul_flops(), measure_packed_matmul_flops() or 0.0)
-        lines.append(f"{device.platform}: {flops / matmul:.1%} of a large f32 matmul measured now "
+        ceiling_dtype = dtype if dtype in CEILING_DTYPES else "float32"
+        matmul = cpu_matmul_ceiling(ceiling_dtype)
+        lines.append(f"{device.platform}: {flops / matmul:.1%} of a large {ceiling_dtype} matmul measured now "
                      f"({matmul / 1e9:.0f} GFLOP/s)")
     return lines

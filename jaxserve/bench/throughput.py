@@ -58,7 +58,9 @@ def run(args: argparse.Namespace) -> dict:
     if spec_before and stats.get("spec_decode"):
         result["spec_decode"] = spec_decode_summary(spec_before, stats["spec_decode"])
         print("\n".join(["| speculative decoding | |", "|---|---|", *format_spec_decode(result["spec_decode"])]) + "\n")
-    result["utilization"] = utilization_lines(llm.engine.model_cfg, llm.engine.runner.params, engine_cfg.dtype,
+    # the dtype the matmuls multiply in: the engine's, or bfloat16 under the cpu-bf16 kernels (float32 activations)
+    multiply_dtype = "bfloat16" if llm.engine.runner.matmul_backend == "cpu-bf16" else engine_cfg.dtype
+    result["utilization"] = utilization_lines(llm.engine.model_cfg, llm.engine.runner.params, multiply_dtype,
                                               num_in, num_out, num_steps, seconds)
     print("\n".join(result["utilization"]))
     if args.hf_baseline:
