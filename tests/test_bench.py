@@ -108,6 +108,38 @@ def test_a_cpu_ceiling_is_measured_in_the_dtype_asked_for(monkeypatch):
         hardware.cpu_matmul_ceiling("int8")
 
 
+PERF_REPORT = """# Samples: 16K of event 'cpu-clock:ppp'
+# Event count (approx.): 33266532800
+#
+# Overhead  Symbol
+    37.00%  [.] (anonymous namespace)::Tile<(anonymous namespace)::Bf16Pairs, 8>
+    33.00%  [.] (anonymous namespace)::GatedTile<(anonymous namespace)::Bf16Pairs, 8>
+     5.00%  [.] (anonymous namespace)::GroupedValues<unsigned short, 4, 3, true>(...)::{lambda(long)#1}::operator()
+     4.00%  [.] (anonymous namespace)::AttendTile<unsigned short, 4, 4>
+     2.00%  [.] __memset_avx512_unaligned_erms
+     1.00%  [.] Eigen::ThreadPoolTempl<tsl::thread::EigenEnvironment>::GlobalSteal
+     1.00%  [k] __schedule
+     1.00%  [.] _PyEval_EvalFrameDefault
+    16.00%  [.] 0x00007fa08d6531ed
+"""
+
+
+def test_the_kernel_profile_sorts_perf_samples_into_kernels():
+    """benchmarks/profile_kernels.py: a prompt tile of the attention (AttendTile) is attention, not a matmul
+    tile; the sampled core-seconds are cpu-clock's event count in nanoseconds."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("profile_kernels", REPO_ROOT / "benchmarks" / "profile_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    shares = module.group_shares(PERF_REPORT)
+    assert shares == pytest.approx({"attention": 9.0, "matmul": 70.0, "XLA thread pool": 1.0, "memset, memcpy": 2.0,
+                                    "kernel": 1.0, "Python": 1.0, "rest": 16.0})
+    assert module.sampled_seconds(PERF_REPORT) == pytest.approx(33.2665328)
+    with pytest.raises(ValueError, match="event count"):
+        module.sampled_seconds("# Samples: 0")
+
+
 # -- metrics -------------------------------------------------------------------------------------
 
 
