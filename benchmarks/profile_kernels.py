@@ -34,8 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # Symbol patterns -> group, the first that matches wins. The C++ kernels' names are those of
 # jaxserve/ops/cpu_kernels/*.cc (their anonymous namespace included).
 GROUPS = (
-    ("attention", r"Attend|Grouped(Scores|Values|For)|FoldLane|PagedRowAttention|WritePages|TileScores|"
-                  r"WeightedSumByD|DotPairs"),
+    # a decode row attends alone, one KV head at a time (paged_row_attention.cc)
+    ("attention, decode rows", r"AttendGrouped|AttendOne|Grouped(Scores|Values|For)|FoldLane"),
+    ("attention, prompt tiles and page writes", r"Attend|PagedRowAttention|WritePages|TileScores|WeightedSumByD|"
+                                                r"DotPairs"),
     ("matmul", r"Tile<|AmxBlock|AmxPair|AmxRows|AmxStep|SignedQuadSteps|BlockTile|QuantizeRows|ScaleRows|"
                r"StoreGated|RunMatmul<|Panel<"),
     ("XLA thread pool", r"Eigen::|tsl::|ThreadPool|ParallelFor"),
@@ -122,6 +124,29 @@ int main(int argc, char** argv) {
 """
 
 
+def decode_kv_bytes(model_cfg, kv_dtype: str, num_prompts: int, input_len: int, output_len: int) -> int:
+    """Bytes of KV pages the decode rows read: the row at position p attends to p + 1 keys and values in
+    every layer, for positions input_len .. input_len + output_len - 2 of each request."""
+    tokens = sum(position + 1 for position in range(input_len, input_len + output_len - 1))
+    return num_prompts * tokens * model_cfg.kv_bytes_per_token(kv_dtype)
+
+
+def measure_read_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Bytes/s XLA reads a bfloat16 array of num_bytes at (a sum, on its intra-op threads), best of repeats."""
+    import jax
+    import jax.numpy as jnp
+
+    array = jnp.ones((num_bytes // 2,), jnp.bfloat16)
+    total = jax.jit(lambda a: jnp.sum(a.astype(jnp.float32)))
+    total(array).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        total(array).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best
+
+
 def instruction_peak(dtype: str, cores: int) -> float | None:
     """FLOP/s of PEAK_LOOP on `cores` threads (best of three), built here for this CPU with the compiler the
     kernels use ($CXX, else c++); None without a compiler, or for bfloat16 where the CPU lacks AVX512-BF16."""
@@ -204,6 +229,10 @@ def main(argv: list[str] | None = None) -> dict:
     ceiling = cpu_matmul_ceiling(dtype if dtype in CEILING_DTYPES else "float32", with_torch=True)
     peak = instruction_peak(dtype, cores) if dtype in CEILING_DTYPES else None
     output_tokens = args.num_prompts * args.output_len
+    kv_bytes = decode_kv_bytes(llm.engine.model_cfg, llm.engine.cfg.kv_cache_dtype, args.num_prompts, args.input_len,
+                               args.output_len)
+    decode_attention_seconds = core_seconds * shares["attention, decode rows"] / 100 / cores
+    bandwidth = measure_read_bandwidth()
     # The round's wall time with the matmuls at the ceiling, the rest as it was (the perf attach's second
     # aside, the samples cover the round)
     faster = seconds - matmul_core_seconds / cores * (1 - rate / ceiling)
@@ -213,7 +242,9 @@ def main(argv: list[str] | None = None) -> dict:
               "attention_backend": runner.attention_backend, "seconds": seconds,
               "output_tok_s": output_tokens / seconds, "sampled_core_seconds": core_seconds, "shares": shares,
               "model_gflop": flops / 1e9, "matmul_gflop_s": rate / 1e9, "ceiling_gflop_s": ceiling / 1e9,
-              "instruction_peak_gflop_s": peak and peak / 1e9, "output_tok_s_at_ceiling": output_tokens / faster}
+              "instruction_peak_gflop_s": peak and peak / 1e9, "output_tok_s_at_ceiling": output_tokens / faster,
+              "decode_kv_gb": kv_bytes / 1e9, "decode_attention_gb_s": kv_bytes / decode_attention_seconds / 1e9,
+              "read_bandwidth_gb_s": bandwidth / 1e9}
     print(f"\nCPU flags: {flags}; {cores} cores; matmuls in {dtype} ({runner.matmul_backend}), attention "
           f"{runner.attention_backend}")
     print(f"timed round: {seconds:.2f} s, {output_tokens / seconds:.1f} output tok/s; perf sampled "
@@ -232,6 +263,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"the multiply-add's own peak here (a register-only loop on {cores} cores): {peak / 1e9:.0f} GFLOP/s; "
               f"the matmuls ran at {rate / peak:.0%} of it; at the peak, the rest as it was: "
               f"{output_tokens / at_peak:.1f} output tok/s ({seconds / at_peak:.2f}x)")
+    print(f"decode rows' attention: {kv_bytes / 1e9:.1f} GB of {llm.engine.cfg.kv_cache_dtype} KV pages in "
+          f"{decode_attention_seconds:.2f} s of {cores} cores = {kv_bytes / decode_attention_seconds / 1e9:.1f} GB/s, "
+          f"against {bandwidth / 1e9:.1f} GB/s for XLA's sum over a 512 MiB bfloat16 array here")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     return result

@@ -133,11 +133,19 @@ def test_the_kernel_profile_sorts_perf_samples_into_kernels():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     shares = module.group_shares(PERF_REPORT)
-    assert shares == pytest.approx({"attention": 9.0, "matmul": 70.0, "XLA thread pool": 1.0, "memset, memcpy": 2.0,
-                                    "kernel": 1.0, "Python": 1.0, "rest": 16.0})
+    assert shares == pytest.approx({"attention, decode rows": 5.0, "attention, prompt tiles and page writes": 4.0,
+                                    "matmul": 70.0, "XLA thread pool": 1.0, "memset, memcpy": 2.0, "kernel": 1.0,
+                                    "Python": 1.0, "rest": 16.0})
     assert module.sampled_seconds(PERF_REPORT) == pytest.approx(33.2665328)
     with pytest.raises(ValueError, match="event count"):
         module.sampled_seconds("# Samples: 0")
+    # 4 prompt tokens, 4 out: decode rows at positions 4, 5 and 6 read 5 + 6 + 7 tokens' keys and values
+
+    class Model:
+        def kv_bytes_per_token(self, dtype):
+            return {"bfloat16": 64, "float32": 128}[dtype]
+
+    assert module.decode_kv_bytes(Model(), "bfloat16", 3, 4, 4) == 3 * (5 + 6 + 7) * 64
 
 
 # -- metrics -------------------------------------------------------------------------------------
