@@ -179,6 +179,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--frequency", type=int, default=499, help="perf's samples per second per core")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    import shutil
+
+    if shutil.which("perf") is None:
+        raise SystemExit("profile_kernels.py needs Linux perf (`perf record`) on the PATH")
 
     import dataclasses
 
@@ -221,29 +225,33 @@ def main(argv: list[str] | None = None) -> dict:
     shares = group_shares(report)
     core_seconds = sampled_seconds(report)
     runner = llm.engine.runner
-    dtype = "bfloat16" if runner.matmul_backend == "cpu-bf16" else llm.engine.cfg.dtype
+    # what the matmuls multiply in: 8-bit weights (the quantization's name) have no ceiling measured here
+    dtype = llm.engine.cfg.quantization or ("bfloat16" if runner.matmul_backend == "cpu-bf16" else llm.engine.cfg.dtype)
     flops = model_flops(llm.engine.model_cfg, args.input_len, args.output_len) * args.num_prompts
     matmul_core_seconds = core_seconds * shares["matmul"] / 100
     cores = len(os.sched_getaffinity(0))
     rate = flops / matmul_core_seconds * cores  # FLOP/s of the whole machine while the matmuls ran
-    ceiling = cpu_matmul_ceiling(dtype if dtype in CEILING_DTYPES else "float32", with_torch=True)
+    ceiling = cpu_matmul_ceiling(dtype, with_torch=True) if dtype in CEILING_DTYPES else None
     peak = instruction_peak(dtype, cores) if dtype in CEILING_DTYPES else None
     output_tokens = args.num_prompts * args.output_len
     kv_bytes = decode_kv_bytes(llm.engine.model_cfg, llm.engine.cfg.kv_cache_dtype, args.num_prompts, args.input_len,
                                args.output_len)
     decode_attention_seconds = core_seconds * shares["attention, decode rows"] / 100 / cores
     bandwidth = measure_read_bandwidth()
-    # The round's wall time with the matmuls at the ceiling, the rest as it was (the perf attach's second
-    # aside, the samples cover the round)
-    faster = seconds - matmul_core_seconds / cores * (1 - rate / ceiling)
+
+    def seconds_at(limit: float) -> float:
+        """The round's wall time with the matmuls at `limit` FLOP/s (never slower than they ran), the rest
+        as it was (the samples cover the round; perf's attaching second is idle)."""
+        return seconds - matmul_core_seconds / cores * (1 - min(rate / limit, 1.0))
+
     flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
                      if f in cpu_features().split())
     result = {"cpu_flags": flags, "cores": cores, "dtype": dtype, "matmul_backend": runner.matmul_backend,
               "attention_backend": runner.attention_backend, "seconds": seconds,
               "output_tok_s": output_tokens / seconds, "sampled_core_seconds": core_seconds, "shares": shares,
-              "model_gflop": flops / 1e9, "matmul_gflop_s": rate / 1e9, "ceiling_gflop_s": ceiling / 1e9,
-              "instruction_peak_gflop_s": peak and peak / 1e9, "output_tok_s_at_ceiling": output_tokens / faster,
-              "decode_kv_gb": kv_bytes / 1e9, "decode_attention_gb_s": kv_bytes / decode_attention_seconds / 1e9,
+              "model_gflop": flops / 1e9, "matmul_gflop_s": rate / 1e9, "ceiling_gflop_s": ceiling and ceiling / 1e9,
+              "instruction_peak_gflop_s": peak and peak / 1e9, "decode_kv_gb": kv_bytes / 1e9,
+              "decode_attention_gb_s": decode_attention_seconds and kv_bytes / decode_attention_seconds / 1e9,
               "read_bandwidth_gb_s": bandwidth / 1e9}
     print(f"\nCPU flags: {flags}; {cores} cores; matmuls in {dtype} ({runner.matmul_backend}), attention "
           f"{runner.attention_backend}")
@@ -253,19 +261,23 @@ def main(argv: list[str] | None = None) -> dict:
     for name, percent in shares.items():
         print(f"| {name} | {percent:.1f}% |")
     print(f"\nmatmuls: {flops / 1e9:.0f} GFLOP of the model in {matmul_core_seconds:.1f} core-seconds = "
-          f"{rate / 1e9:.0f} GFLOP/s on {cores} cores, {rate / ceiling:.0%} of the fastest large {dtype} matmul "
-          f"measured here ({ceiling / 1e9:.0f} GFLOP/s)")
-    print(f"with the matmuls at that rate and the rest as it was: {output_tokens / faster:.1f} output tok/s "
-          f"({seconds / faster:.2f}x)")
+          f"{rate / 1e9:.0f} GFLOP/s on {cores} cores")
+    if ceiling:
+        faster = seconds_at(ceiling)
+        result["output_tok_s_at_ceiling"] = output_tokens / faster
+        print(f"{rate / ceiling:.0%} of the fastest large {dtype} matmul measured here ({ceiling / 1e9:.0f} GFLOP/s); "
+              f"with the matmuls at that rate and the rest as it was: {output_tokens / faster:.1f} output tok/s "
+              f"({seconds / faster:.2f}x)")
     if peak:
-        at_peak = seconds - matmul_core_seconds / cores * (1 - rate / peak)
+        at_peak = seconds_at(peak)
         result["output_tok_s_at_instruction_peak"] = output_tokens / at_peak
         print(f"the multiply-add's own peak here (a register-only loop on {cores} cores): {peak / 1e9:.0f} GFLOP/s; "
               f"the matmuls ran at {rate / peak:.0%} of it; at the peak, the rest as it was: "
               f"{output_tokens / at_peak:.1f} output tok/s ({seconds / at_peak:.2f}x)")
-    print(f"decode rows' attention: {kv_bytes / 1e9:.1f} GB of {llm.engine.cfg.kv_cache_dtype} KV pages in "
-          f"{decode_attention_seconds:.2f} s of {cores} cores = {kv_bytes / decode_attention_seconds / 1e9:.1f} GB/s, "
-          f"against {bandwidth / 1e9:.1f} GB/s for XLA's sum over a 512 MiB bfloat16 array here")
+    if decode_attention_seconds:
+        print(f"decode rows' attention: {kv_bytes / 1e9:.1f} GB of {llm.engine.cfg.kv_cache_dtype} KV pages in "
+              f"{decode_attention_seconds:.2f} s of {cores} cores = {kv_bytes / decode_attention_seconds / 1e9:.1f} "
+              f"GB/s, against {bandwidth / 1e9:.1f} GB/s for XLA's sum over a 512 MiB bfloat16 array here")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     return result
