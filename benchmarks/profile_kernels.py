@@ -262,18 +262,15 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"| {name} | {percent:.1f}% |")
     print(f"\nmatmuls: {flops / 1e9:.0f} GFLOP of the model in {matmul_core_seconds:.1f} core-seconds = "
           f"{rate / 1e9:.0f} GFLOP/s on {cores} cores")
-    if ceiling:
-        faster = seconds_at(ceiling)
-        result["output_tok_s_at_ceiling"] = output_tokens / faster
-        print(f"{rate / ceiling:.0%} of the fastest large {dtype} matmul measured here ({ceiling / 1e9:.0f} GFLOP/s); "
-              f"with the matmuls at that rate and the rest as it was: {output_tokens / faster:.1f} output tok/s "
-              f"({seconds / faster:.2f}x)")
-    if peak:
-        at_peak = seconds_at(peak)
-        result["output_tok_s_at_instruction_peak"] = output_tokens / at_peak
-        print(f"the multiply-add's own peak here (a register-only loop on {cores} cores): {peak / 1e9:.0f} GFLOP/s; "
-              f"the matmuls ran at {rate / peak:.0%} of it; at the peak, the rest as it was: "
-              f"{output_tokens / at_peak:.1f} output tok/s ({seconds / at_peak:.2f}x)")
+    limits = [(ceiling, "output_tok_s_at_ceiling", f"the fastest large {dtype} matmul measured here"),
+              (peak, "output_tok_s_at_instruction_peak",
+               f"the multiply-add's own peak here (a register-only loop on {cores} cores)")]
+    for limit, key, what in limits:
+        if limit:
+            at_limit = seconds_at(limit)
+            result[key] = output_tokens / at_limit
+            print(f"{what}: {limit / 1e9:.0f} GFLOP/s, the matmuls ran at {rate / limit:.0%} of it; with them at it and "
+                  f"the rest as it was: {output_tokens / at_limit:.1f} output tok/s ({seconds / at_limit:.2f}x)")
     if decode_attention_seconds:
         print(f"decode rows' attention: {kv_bytes / 1e9:.1f} GB of {llm.engine.cfg.kv_cache_dtype} KV pages in "
               f"{decode_attention_seconds:.2f} s of {cores} cores = {kv_bytes / decode_attention_seconds / 1e9:.1f} "
