@@ -221,11 +221,13 @@ def median_run(runs: list[dict]) -> dict:
     return ordered[len(ordered) // 2]
 
 
-def fastest_matmuls() -> dict[str, float]:
-    """dtype -> FLOP/s of the fastest large matmul here in it: XLA's dot, PyTorch's, or jaxserve's packed kernel."""
+def fastest_matmuls(dtypes) -> dict[str, float]:
+    """dtype -> FLOP/s of the fastest large matmul here in it (XLA's dot, PyTorch's, or jaxserve's packed
+    kernel), for each of `dtypes` that has a ceiling (float32, bfloat16: not 8-bit ones, nor None)."""
     from jaxserve.bench.hardware import CEILING_DTYPES, cpu_matmul_ceiling
 
-    return {dtype: cpu_matmul_ceiling(dtype, with_torch=True) for dtype in CEILING_DTYPES}
+    wanted = set(dtypes)
+    return {dtype: cpu_matmul_ceiling(dtype, with_torch=True) for dtype in CEILING_DTYPES if dtype in wanted}
 
 
 def multiply_dtype(log_path: Path) -> str | None:
@@ -300,7 +302,9 @@ def main() -> None:
         print(check["line"])
         (args.out_dir / "client_check.json").write_text(json.dumps(check, indent=2))
         return
-    matmul_before = fastest_matmuls()  # before any server starts
+    # Before any server starts, in vLLM's dtypes (jaxserve's is known from its start-up line, after): only the
+    # dtypes engines multiply in, since one without its instructions (bfloat16 on AVX2) costs minutes.
+    matmul_before = fastest_matmuls(cfg["dtype"] for cfg in vllms.values())
     with contextlib.ExitStack() as stack:
         startup = {name: stack.enter_context(server(name, cfg["cmd"], cfg["port"], raw / f"{slug(name)}.log",
                                                     cfg.get("env")))
@@ -331,9 +335,9 @@ def main() -> None:
     from jaxserve.bench.metrics import format_sweep, plot_sweep
     from jaxserve.weights import load_model
 
-    matmul_after = fastest_matmuls()
+    matmul_after = fastest_matmuls(cfg["dtype"] for cfg in engines.values())
     # a slow moment of the shared machine must not lower a ceiling
-    matmul = {dtype: max(rate, matmul_after[dtype]) for dtype, rate in matmul_before.items()}
+    matmul = {dtype: max(rate, matmul_before.get(dtype, 0.0)) for dtype, rate in matmul_after.items()}
     model_cfg = load_model(None).config
     per_request = model_flops(model_cfg, args.input_len, args.output_len)
     # output tok/s if every FLOP ran at the dtype's matmul rate
@@ -372,8 +376,9 @@ def main() -> None:
         table, "", *ratios, "",
         "compute ceilings (output tok/s if every FLOP ran at the fastest large matmul measured here in the dtype, "
         f"the faster of before and after the runs; {per_request / 1e9:.1f} GFLOP per request): "
-        + "; ".join(f"{dtype} {ceilings[dtype]:.0f} at {matmul[dtype] / 1e9:.0f} GFLOP/s ({matmul_before[dtype] / 1e9:.0f} "
-                    f"and {matmul_after[dtype] / 1e9:.0f})" for dtype in matmul)
+        + "; ".join(f"{dtype} {ceilings[dtype]:.0f} at {matmul[dtype] / 1e9:.0f} GFLOP/s ("
+                    + (f"{matmul_before[dtype] / 1e9:.0f} and " if dtype in matmul_before else "after only: ")
+                    + f"{matmul_after[dtype] / 1e9:.0f})" for dtype in matmul)
         + "; jaxserve's dtype: " + ", ".join(f"{name} {cfg['dtype']}" for name, cfg in ours.items()),
         "server start-up (ready to serve, warm-up included): "
         + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in startup.items()),

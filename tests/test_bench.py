@@ -108,6 +108,45 @@ def test_a_cpu_ceiling_is_measured_in_the_dtype_asked_for(monkeypatch):
         hardware.cpu_matmul_ceiling("int8")
 
 
+def test_the_vllm_comparison_measures_ceilings_only_in_the_dtypes_its_engines_multiply_in(compare_vllm, monkeypatch):
+    """A bfloat16 matmul of 2048^3 takes seconds on a CPU without bfloat16 instructions: a comparison of
+    float32 engines there measured it eleven times over, before and after its runs, for a ceiling no engine
+    had. Only the dtypes asked for are measured (each once, whatever the iterable), never an 8-bit one or None."""
+    from jaxserve.bench import hardware
+
+    measured = []
+    monkeypatch.setattr(hardware, "cpu_matmul_ceiling",
+                        lambda dtype, with_torch: measured.append(dtype) or {"float32": 1.0, "bfloat16": 2.0}[dtype])
+    assert compare_vllm.fastest_matmuls(dtype for dtype in ["float32", "float32", None, "int8"]) == {"float32": 1.0}
+    assert measured == ["float32"]
+    assert compare_vllm.fastest_matmuls(iter(["int8", "bfloat16", "float32"])) == {"float32": 1.0, "bfloat16": 2.0}
+    assert compare_vllm.fastest_matmuls([]) == {}
+
+
+def test_a_slow_matmul_is_timed_fewer_times_within_the_budget(monkeypatch):
+    """The ceiling's best-of-N stops once its timed calls pass the budget (after two of them, at least), so
+    that a dtype the CPU has no instructions for costs seconds, not minutes; a fast call is timed N times."""
+    from jaxserve.bench import hardware
+
+    now = [0.0]
+    monkeypatch.setattr(hardware.time, "perf_counter", lambda: now[0])
+    calls = []
+
+    def slow():  # 15 s a call on the fake clock
+        calls.append(1)
+        now[0] += 15.0
+
+    assert hardware._best_seconds(slow, repeats=10, budget_s=20.0) == 15.0
+    assert len(calls) == 1 + 2  # the untimed warm-up, then two timed calls (30 s > 20 s)
+    calls.clear()
+
+    def fast():
+        calls.append(1)
+        now[0] += 0.5
+
+    assert hardware._best_seconds(fast, repeats=10, budget_s=20.0) == 0.5
+    assert len(calls) == 1 + 10
+
 PERF_REPORT = """# Samples: 16K of event 'cpu-clock:ppp'
 # Event count (approx.): 33266532800
 #
