@@ -289,14 +289,6 @@ __attribute__((always_inline)) inline void SignedQuadSteps(const uint32_t* x_row
 }
 #endif
 
-// AVX2, float32 weights: left to itself, GCC takes each weight vector as the memory operand of both rows'
-// multiplies, so a k of a 2-row tile loads 12 vectors for 12 multiplies. On Zen 1, which loads two 128-bit
-// halves a cycle and issues one 256-bit FMA, those loads (and the two broadcasts) bound the tile: loading
-// each vector once into a register took one layer's matmuls from 64-66 to 71 GFLOP/s at 512 rows (the
-// FMA peak: 80) and from 52-58 to 64-65 at 32 rows.
-template <typename T>
-constexpr bool kWeightsInRegisters = kLanes == 8 && std::is_same_v<T, F32>;
-
 // acc[r][j] = x_rows[r] . the panel's column vector j, for R rows of x; row k of `prefetch` (another
 // panel, or nullptr) is prefetched into L2 with row k of this one. Inlined, so that acc stays in
 // registers (called twice from GatedTile, GCC otherwise keeps it out of line, spilling acc to memory).
@@ -313,7 +305,13 @@ __attribute__((always_inline)) inline void AccumulateSteps(const Problem<T>& p, 
     if (prefetch) {
       for (int j = 0; j < kVectors; ++j) __builtin_prefetch(prefetch + k * kPanelWidth + j * kLanes, 0, 1);
     }
-    if constexpr (kWeightsInRegisters<T>) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    // AVX2, float32 weights: left to itself, GCC takes each weight vector as the memory operand of both
+    // rows' multiplies, 12 loads a k for 12 multiplies. On Zen 1, which loads two 128-bit halves a cycle and
+    // issues one 256-bit FMA, those loads (and two broadcasts) bound the tile: one load of each vector into
+    // a register (the empty asm, an x86 register constraint) took one layer's matmuls from 64-66 to 71
+    // GFLOP/s at 512 rows (the FMA peak: 80) and from 52-58 to 64-65 at 32 rows.
+    if constexpr (std::is_same_v<T, F32>) {
       Vec xv[R];
       for (int r = 0; r < R; ++r) xv[r] = Vec{} + x_rows[r * steps + k];
       for (int j = 0; j < kVectors; ++j) {
@@ -323,6 +321,7 @@ __attribute__((always_inline)) inline void AccumulateSteps(const Problem<T>& p, 
       }
       continue;
     }
+#endif
     typename T::WVec w[kVectors];
     for (int j = 0; j < kVectors; ++j) w[j] = T::LoadW(w_panel + k * kPanelWidth + j * kLanes);
     for (int r = 0; r < R; ++r) {
