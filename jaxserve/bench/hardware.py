@@ -32,7 +32,7 @@ def gpu_peak(device_kind: str, dtype: str) -> tuple[float, float] | None:
     return None
 
 
-def _best_seconds(run, repeats: int, budget_s: float = 20.0) -> float:
+def best_seconds(run, repeats: int, budget_s: float = 20.0) -> float:
     """The shortest of `repeats` timed calls of run(), after one untimed call (compilation, warm-up); fewer
     (at least one) once they have taken budget_s: a CPU without bfloat16 instructions takes tens of seconds
     for one large bfloat16 matmul, a rate no engine's ceiling is measured by there."""
@@ -56,7 +56,7 @@ def measure_matmul_flops(size: int = 2048, repeats: int = 10, dtype=jnp.float32)
     """FLOP/s of a square matmul on the default device, best of `repeats` after a warm-up."""
     a = jnp.ones((size, size), dtype)
     matmul = jax.jit(lambda x, y: x @ y)
-    return 2 * size**3 / _best_seconds(lambda: matmul(a, a).block_until_ready(), repeats)
+    return 2 * size**3 / best_seconds(lambda: matmul(a, a).block_until_ready(), repeats)
 
 
 def measure_packed_matmul_flops(size: int = 2048, repeats: int = 10, dtype: str = "float32") -> float | None:
@@ -70,7 +70,7 @@ def measure_packed_matmul_flops(size: int = 2048, repeats: int = 10, dtype: str 
     a = jnp.ones((size, size), jnp.float32)
     w = jax.device_put(packed_matmul.PackedWeight.pack(jnp.ones((size, size), jnp.float32), dtype=dtype))
     matmul = jax.jit(packed_matmul.matmul)
-    return 2 * size**3 / _best_seconds(lambda: matmul(a, w).block_until_ready(), repeats)
+    return 2 * size**3 / best_seconds(lambda: matmul(a, w).block_until_ready(), repeats)
 
 
 def measure_torch_matmul_flops(size: int = 2048, repeats: int = 10, dtype: str = "float32") -> float | None:
@@ -80,7 +80,7 @@ def measure_torch_matmul_flops(size: int = 2048, repeats: int = 10, dtype: str =
     except ImportError:
         return None
     a = torch.ones(size, size, dtype=getattr(torch, dtype))
-    return 2 * size**3 / _best_seconds(lambda: a @ a, repeats)
+    return 2 * size**3 / best_seconds(lambda: a @ a, repeats)
 
 
 def cpu_matmul_ceiling(dtype: str = "float32", *, with_torch: bool = False, size: int = 2048,
