@@ -408,17 +408,21 @@ def test_int8_pairs_bfloat16_attention_products_where_the_cpu_has_avx512_bf16(mo
 @needs_kernels
 def test_the_matmul_microbenchmark_times_every_shape_of_a_layer_for_both_paths(tmp_path):
     """benchmarks/bench_cpu_matmul.py, at two row counts and one repeat: a line per shape and row count,
-    the kernel's and XLA's times, in the JSON it writes."""
+    the kernel's and XLA's times, in the JSON it writes; with --lm-head, the LM head's shape last."""
     import json
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from bench_cpu_matmul import SHAPES, main
+    from bench_cpu_matmul import LM_HEAD, SHAPES, main
 
     out = tmp_path / "matmul.json"
     main(["--rows", "1", "3", "--repeats", "1", "--dtype", "int8", "--out", str(out)])
     saved = json.loads(out.read_text())
     assert saved["dtype"] == "int8"
     assert [(r["rows"], r["shape"]) for r in saved["results"]] == [(m, s[0]) for m in (1, 3) for s in SHAPES]
+    assert all(r["packed_ms"] > 0 and r["xla_ms"] > 0 for r in saved["results"])
+    main(["--rows", "2", "--repeats", "1", "--lm-head", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert [(r["shape"], r["k"], r["n"]) for r in saved["results"]] == [*SHAPES, LM_HEAD]
     assert all(r["packed_ms"] > 0 and r["xla_ms"] > 0 for r in saved["results"])
