@@ -23,8 +23,11 @@ import torch
 import transformers
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.runner.resolve import resolve_config
 from jaxserve.runner.step_inputs import StepInputBuilder
-from jaxserve.ops.sampling import SamplingTensors, apply_penalties, argmax, inverse_cdf_sample, sample
+from jaxserve.ops import cpu_ffi
+from jaxserve.ops.sampling import (SamplingTensors, apply_penalties, argmax, cpu_truncation_threshold,
+                                   inverse_cdf_sample, sample, truncation_threshold)
 
 VOCAB = 32  # direct tests; >= MAX_LOGPROBS, since the logprobs branch is traced for every call
 HISTORY_LEN = 128  # the model runner sizes `history` as max_model_len
@@ -40,6 +43,7 @@ LOGITS = np.log(PROBS).astype(np.float32)
 TOP = _RANK_TO_ID  # TOP[r] is the token of rank r
 
 _sample = jax.jit(sample)
+_sample_cpu_kernel = jax.jit(functools.partial(sample, cpu_kernel=True))
 _apply_penalties = jax.jit(apply_penalties)
 
 
@@ -65,10 +69,11 @@ def _tensors(num_rows: int, vocab: int = VOCAB, bias: dict[int, float] | None = 
     return t
 
 
-def _draw(logits: np.ndarray, num_rows: int = NUM_DRAWS, **fields) -> np.ndarray:
-    """Sampled token ids [num_rows] for `logits` [vocab] replicated over every row."""
+def _draw(logits: np.ndarray, num_rows: int = NUM_DRAWS, cpu_kernel: bool = False, **fields) -> np.ndarray:
+    """Sampled token ids [num_rows] for `logits` [vocab] replicated over every row (cpu_kernel: top-k and top-p
+    thresholds by the C++ kernel)."""
     t = _tensors(num_rows, vocab=len(logits), **fields)
-    return np.asarray(_sample(np.tile(logits, (num_rows, 1)), t).token_ids)
+    return np.asarray((_sample_cpu_kernel if cpu_kernel else _sample)(np.tile(logits, (num_rows, 1)), t).token_ids)
 
 
 def _expected_probs(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, bias=None, order="vllm"):
@@ -170,14 +175,78 @@ _DISTRIBUTIONS = [
 @pytest.mark.parametrize("fields", [
     pytest.param(fields, id=name) for name, fields in _DISTRIBUTIONS
 ])
-def test_sampling_frequencies_match_the_truncated_distribution(fields):
+@pytest.mark.parametrize("cpu_kernel", [False, True], ids=["xla", "cpu_kernel"])
+def test_sampling_frequencies_match_the_truncated_distribution(fields, cpu_kernel):
     """Over 20k seeded draws, frequencies fit the temperature-scaled, truncated, renormalized
-    distribution (chi-square, p > 1e-4), and no token outside the kept set is ever drawn."""
+    distribution (chi-square, p > 1e-4), and no token outside the kept set is ever drawn: with XLA's
+    bisections, and with the C++ kernel's thresholds (`cpu_truncation_threshold`)."""
+    if cpu_kernel:
+        _need_cpu_kernels()
     reference = {k: v for k, v in fields.items() if k in ("temperature", "top_k", "top_p", "min_p", "bias")}
     expected = _expected_probs(LOGITS, **reference)
     # The test data avoids the cases where vLLM's and transformers' orders of truncation disagree.
     np.testing.assert_allclose(expected, _expected_probs(LOGITS, **reference, order="hf"))
-    _assert_distribution(_draw(LOGITS, **fields), expected)
+    _assert_distribution(_draw(LOGITS, cpu_kernel=cpu_kernel, **fields), expected)
+
+
+def _need_cpu_kernels():
+    if jax.default_backend() != "cpu" or cpu_ffi.kernel_error() is not None:
+        pytest.skip(f"the C++ CPU kernels do not run here: {cpu_ffi.kernel_error() or jax.default_backend()}")
+
+
+def _threshold_rows(rng, vocab: int, num_rows: int):
+    """Scaled logits, their min-p'd probabilities, top_k and top_p for rows of every kind the sampler meets:
+    sharp and flat distributions, top-k alone, top-p alone, both, neither, banned (-inf) tokens, ties, a
+    top_k past the finite tokens, and a row of one value."""
+    temperature = rng.choice([0.1, 0.7, 2.0], num_rows)[:, None]
+    scaled = (rng.normal(0, 3, (num_rows, vocab)) / temperature).astype(np.float32)
+    scaled[1::4, : vocab // 3] = -np.inf  # a grammar's or a bias's banned tokens
+    scaled[2::4] = np.round(scaled[2::4])  # many ties
+    scaled[3] = 1.5  # one value everywhere
+    probs = np.asarray(jax.nn.softmax(scaled, axis=-1))
+    probs = np.where(probs >= 0.001 * probs.max(-1, keepdims=True), probs, 0).astype(np.float32) if vocab < 64 \
+        else probs  # min-p on the small vocabulary
+    top_k = rng.choice([0, 0, 1, 5, 50, vocab - 1, vocab + 7], num_rows).astype(np.int32)
+    top_p = rng.choice([1.0, 0.95, 0.9, 0.5, 0.1], num_rows).astype(np.float32)
+    top_k[0], top_p[0] = 0, 1.0  # off
+    return scaled, probs, top_k, top_p
+
+
+@pytest.mark.parametrize("vocab", [48, 49152])
+def test_the_cpu_threshold_kernel_keeps_the_tokens_the_bisections_keep(vocab):
+    """The C++ top-k / top-p threshold (a histogram of the row, then its one bucket sorted) keeps exactly the
+    tokens that XLA's two bisections keep, row by row, on every kind of row (`_threshold_rows`), and keeps
+    them all where a row has no top-k or top-p."""
+    _need_cpu_kernels()
+    rng = np.random.default_rng(11)
+    scaled, probs, top_k, top_p = _threshold_rows(rng, vocab, 64)
+    want = np.asarray(jax.jit(truncation_threshold)(scaled, probs, top_k, top_p))
+    got = np.asarray(jax.jit(cpu_truncation_threshold)(scaled, probs, top_k, top_p))
+    assert got.shape == (64, 1)
+    kept_want, kept_got = scaled >= want, scaled >= got
+    for row in range(64):
+        np.testing.assert_array_equal(kept_got[row], kept_want[row],
+                                      err_msg=f"row {row}: top_k {top_k[row]}, top_p {top_p[row]}")
+    assert got[0, 0] == -np.inf
+    assert kept_got[3].all()  # one value: ties keep every token
+    sizes = kept_got.sum(-1)
+    assert sizes.min() == 1 and sizes.max() > vocab // 2  # the rows span sharp and flat cuts
+
+
+def test_the_cpu_threshold_kernel_gives_the_reference_samplers_tokens():
+    """`sample` with the C++ thresholds draws exactly the tokens it draws with XLA's bisections, on a batch of
+    the default model's vocabulary mixing greedy rows, top-k, top-p, min-p, both and neither."""
+    _need_cpu_kernels()
+    rng = np.random.default_rng(12)
+    n, vocab = 32, 49152
+    logits = rng.normal(0, 3, (n, vocab)).astype(np.float32)
+    t = _tensors(n, vocab=vocab, temperature=np.where(np.arange(n) % 5 == 0, 0.0, rng.choice([0.2, 0.7, 1.5], n)),
+                 top_k=rng.choice([0, 1, 20, 1000], n), top_p=rng.choice([1.0, 0.9, 0.5], n),
+                 min_p=rng.choice([0.0, 0.05], n))
+    want = jax.jit(sample)(logits, t).token_ids
+    got = jax.jit(functools.partial(sample, cpu_kernel=True))(logits, t).token_ids
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert len(set(np.asarray(got).tolist())) > n // 2  # not all one token
 
 
 def test_row_results_do_not_depend_on_the_batch():
@@ -394,6 +463,18 @@ def _mixed_params(rng: random.Random, max_tokens: int | None = None) -> Sampling
         logit_bias=rng.choice([None, {rng.randrange(320): rng.uniform(-5, 5) for _ in range(rng.randint(1, 6))}]),
         include_stop_str_in_output=rng.random() < 0.3,
     )
+
+
+def test_the_engine_on_a_cpu_takes_its_thresholds_from_the_kernel(llm):
+    """Where the C++ kernels run, every step executable calls the threshold kernel (inside the sampler's
+    branch for rows with top-k or top-p); a step compiled for a GPU keeps XLA's bisections."""
+    _need_cpu_kernels()
+    runner = llm.engine.runner
+    assert runner.resolved.sampler_kernel
+    for bucket in runner.decode_buckets:
+        assert "jaxserve_truncation_threshold" in runner.compiled_text("decode", bucket), bucket
+    for_gpu = resolve_config(runner.resolved.requested, runner.model_cfg, platform="gpu")
+    assert not for_gpu.sampler_kernel and not for_gpu.sampler_branches
 
 
 def test_seeded_requests_reproduce_alone_and_in_mixed_batches(llm):

@@ -10,8 +10,10 @@
   is `packed_matmul.py`.
 - `lora_bgmv` (`cpu_kernels/lora_bgmv.cc`): the LoRA deltas of a batch mixing adapters, each token
   through its own adapter slot; its Python side is `ops/lora.py`.
+- `truncation_threshold` (`cpu_kernels/truncation.cc`): the sampler's top-k / top-p threshold of each row,
+  where XLA's reductions take dozens of passes over the vocabulary; its Python side is `ops/sampling.py`.
 
-All three spread their work over XLA's own intra-op threads. They need a C++ compiler (`c++`, or $CXX)
+All four spread their work over XLA's own intra-op threads. They need a C++ compiler (`c++`, or $CXX)
 once: the library is cached under ~/.cache/jaxserve/kernels (JAXSERVE_KERNEL_CACHE moves it), keyed
 by everything that decides the machine code (`cache_key`): the sources, the compiler and its flags,
 the jax version, and the CPU's instruction-set features, since `-march=native` builds for this CPU
@@ -64,7 +66,8 @@ from jaxserve.config import cache_dirs
 
 logger = logging.getLogger(__name__)
 KERNELS_DIR = Path(__file__).parent / "cpu_kernels"
-SOURCES = (KERNELS_DIR / "paged_row_attention.cc", KERNELS_DIR / "packed_matmul.cc", KERNELS_DIR / "lora_bgmv.cc")
+SOURCES = (KERNELS_DIR / "paged_row_attention.cc", KERNELS_DIR / "packed_matmul.cc", KERNELS_DIR / "lora_bgmv.cc",
+           KERNELS_DIR / "truncation.cc")
 HEADERS = (KERNELS_DIR / "parallel_for.h", KERNELS_DIR / "vec_math.h", KERNELS_DIR / "amx.h")
 TARGETS = {  # FFI target -> handler symbol
     "jaxserve_paged_row_attention": "JaxservePagedRowAttention",
@@ -86,6 +89,7 @@ TARGETS = {  # FFI target -> handler symbol
     "jaxserve_write_fp8_pages": "JaxserveWriteFp8Pages",
     "jaxserve_lora_bgmv": "JaxserveLoraBgmv",
     "jaxserve_lora_bgmv_bf16": "JaxserveLoraBgmvBf16",
+    "jaxserve_truncation_threshold": "JaxserveTruncationThreshold",
 }
 # The attention kernel's and the page writer's FFI targets by page dtype (float32 pages are written by XLA).
 _PAGE_SUFFIX = {jnp.dtype(jnp.float32): "", jnp.dtype(jnp.bfloat16): "_bf16_pages",

@@ -107,11 +107,12 @@ def _bisect(lo, hi, holds, unroll: bool = False):
     return jnp.where(holds(hi), hi, lo)  # `hi` itself may be a logit value that qualifies
 
 
-def _truncation_threshold(scaled, probs, top_k, top_p, unroll: bool = False):
+def truncation_threshold(scaled, probs, top_k, top_p, unroll: bool = False):
     """Per row, the logit threshold of top-k, then top-p within the renormalized top-k set.
 
-    Bisections over logit values instead of a full-vocabulary sort, which XLA:CPU runs far slower.
-    Rows with top_k = 0 and top_p = 1 get -inf (keep all).
+    Bisections over logit values instead of a full-vocabulary sort, which XLA:CPU runs far slower (and
+    slower than this: `cpu_truncation_threshold`). Rows with top_k = 0 and top_p = 1 get -inf (keep all);
+    rows with top_p = 1 keep their whole top-k set.
     """
     finite = jnp.isfinite(scaled)
     lo = jnp.min(jnp.where(finite, scaled, jnp.inf), axis=-1, keepdims=True)  # keeps every finite logit
@@ -122,9 +123,18 @@ def _truncation_threshold(scaled, probs, top_k, top_p, unroll: bool = False):
     target = top_p[:, None] * top_k_mass * (1 - 1e-6)
     top_p_threshold = _bisect(lo, hi, lambda x: (probs * (scaled >= x)).sum(-1, keepdims=True) >= target,
                               unroll)
-    threshold = jnp.maximum(top_k_threshold, top_p_threshold)
+    threshold = jnp.maximum(top_k_threshold, jnp.where(top_p[:, None] < 1.0, top_p_threshold, -jnp.inf))
     off = ((top_k <= 0) & (top_p >= 1.0))[:, None]
     return jnp.where(off, -jnp.inf, threshold)
+
+
+def cpu_truncation_threshold(scaled, probs, top_k, top_p):
+    """`truncation_threshold` by the C++ kernel (cpu_kernels/truncation.cc): a selection per row instead of
+    64 passes over [S, vocab]; the same kept tokens but where a running mass lands within float32's rounding
+    of its target. XLA:CPU only, with the kernels built (cpu_ffi.kernel_error() is None)."""
+    out = jax.ShapeDtypeStruct((scaled.shape[0], 1), jnp.float32)
+    return jax.ffi.ffi_call("jaxserve_truncation_threshold", out)(
+        scaled.astype(jnp.float32), probs.astype(jnp.float32), top_k.astype(jnp.int32), top_p.astype(jnp.float32))
 
 
 _VOCAB_CHUNK = 128
@@ -183,18 +193,19 @@ def _nonzero_span(x):
     return jnp.argmax(positive, axis=-1), x.shape[-1] - 1 - jnp.argmax(positive[:, ::-1], axis=-1)
 
 
-def _sample_random(processed, t: SamplingTensors, branches: bool = True):
+def _sample_random(processed, t: SamplingTensors, branches: bool = True, cpu_kernel: bool = False):
     """Temperature, min-p, top-k and top-p, then one uniform draw per row, inverted through the kept
     probabilities' running sum: [S] token ids. (A Gumbel-max draw needs a random number per vocabulary
-    entry, which costs far more on a CPU.)"""
+    entry, which costs far more on a CPU.) cpu_kernel: top-k and top-p by the C++ kernel."""
     num_seqs = processed.shape[0]
     scaled = processed / jnp.maximum(t.temperature, 1e-6)[:, None]
     probs = jax.nn.softmax(scaled, axis=-1)
     keep = probs >= t.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
     probs = jnp.where(keep, probs, 0.0)  # top-p counts mass after min-p, as vLLM does
+    truncate = cpu_truncation_threshold if cpu_kernel else (
+        lambda s, p, k, tp: truncation_threshold(s, p, k, tp, unroll=not branches))
     threshold = choose(
-        branches, jnp.any((t.top_k > 0) | (t.top_p < 1.0)),
-        lambda s, p, k, tp: _truncation_threshold(s, p, k, tp, unroll=not branches),
+        branches, jnp.any((t.top_k > 0) | (t.top_p < 1.0)), truncate,
         lambda s, p, k, tp: jnp.full((num_seqs, 1), -jnp.inf),
         scaled, probs, t.top_k, t.top_p,
     )
@@ -212,7 +223,7 @@ def no_logprobs(num_seqs: int, dtype):
             jnp.zeros((num_seqs, MAX_LOGPROBS), dtype))
 
 
-def sample(logits, t: SamplingTensors, branches: bool = True) -> SamplerOutput:
+def sample(logits, t: SamplingTensors, branches: bool = True, cpu_kernel: bool = False) -> SamplerOutput:
     """Samples one token per row from logits [S, vocab] f32.
 
     A batch of greedy rows with no penalties, no logit bias and no grammar (the common serving case) takes
@@ -221,6 +232,7 @@ def sample(logits, t: SamplingTensors, branches: bool = True) -> SamplerOutput:
     only when a row asks for them, and so do logprobs, which are of the raw logits, as vLLM reports them
     (with a grammar's banned tokens at -inf, as vLLM applies the bitmask before its sampler).
     branches=False (a GPU): every part runs and selects replace the branches (`choose`); same tokens.
+    cpu_kernel (XLA:CPU with the C++ kernels): top-k and top-p thresholds by `cpu_truncation_threshold`.
     """
     num_seqs = logits.shape[0]
     uses_grammar = jnp.any(t.token_bitmask != -1)
@@ -240,7 +252,8 @@ def sample(logits, t: SamplingTensors, branches: bool = True) -> SamplerOutput:
         greedy = argmax(processed)
         return choose(
             branches, uses_random,
-            lambda: jnp.where(t.temperature > 0, _sample_random(processed, t, branches), greedy), lambda: greedy,
+            lambda: jnp.where(t.temperature > 0, _sample_random(processed, t, branches, cpu_kernel), greedy),
+            lambda: greedy,
         )
 
     # The branches return token ids only: a branch that handed the logits through unchanged would copy

@@ -139,13 +139,14 @@ class TensorParallel:
         return jax.shard_map(on_each_device, mesh=self.mesh, in_specs=(self.param_specs, kv_specs, P()),
                              out_specs=out_specs, check_vma=False)(params, kv_cache, inputs)
 
-    def step(self, params, kv_cache, inputs, *, sampler_branches: bool = True, **forward_kwargs):
+    def step(self, params, kv_cache, inputs, *, sampler_branches: bool = True, sampler_kernel: bool = False,
+             **forward_kwargs):
         """model_runner's step on the mesh: `forward`, then each device samples from its slice of the
         vocabulary (`vocab_sharded_sample`); the sampled tokens are the same on every device."""
         logits, kv_cache, *hidden = self.forward(params, kv_cache, inputs, lora_branches=sampler_branches,
                                                  **forward_kwargs)
         sample_on_each = functools.partial(vocab_sharded_sample, vocab_size=self.model_cfg.vocab_size,
-                                           branches=sampler_branches)
+                                           branches=sampler_branches, cpu_kernel=sampler_kernel)
         sampled = jax.shard_map(sample_on_each, mesh=self.mesh, in_specs=(VOCAB_SPEC, P()), out_specs=P(),
                                 check_vma=False)(logits, inputs.sampling)
         return sampled, kv_cache, *hidden
@@ -203,7 +204,7 @@ def shardings(mesh: Mesh, specs):
 
 
 def vocab_sharded_sample(logits, t: SamplingTensors, *, vocab_size: int, axis: str = MODEL_AXIS,
-                         branches: bool = True) -> SamplerOutput:
+                         branches: bool = True, cpu_kernel: bool = False) -> SamplerOutput:
     """`sampling.sample` for logits [S, V / tp] split by vocabulary over `axis` (inside shard_map).
 
     A batch of plain greedy rows (the common case) takes each device's argmax and gathers only those;
@@ -227,6 +228,6 @@ def vocab_sharded_sample(logits, t: SamplingTensors, *, vocab_size: int, axis: s
 
     def gathered():
         full = jax.lax.all_gather(logits, axis, axis=1, tiled=True)[:, :vocab_size]
-        return sample(full, t, branches)
+        return sample(full, t, branches, cpu_kernel)
 
     return choose(branches, plain, greedy, gathered)  # both, selected, on a GPU (sampling.choose)

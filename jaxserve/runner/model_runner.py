@@ -51,13 +51,13 @@ def _bytes_on_first_device(tree) -> int:
 
 def _step(params, kv_cache, inputs: StepInputs, *, cfg: ModelConfig, q_tile: int, kv_tile: int,
           attention_backend: str, decode_only: bool = False, sampler_branches: bool = True,
-          return_hidden: bool = False, lora_rank: int | None = None):
+          sampler_kernel: bool = False, return_hidden: bool = False, lora_rank: int | None = None):
     logits, kv_cache, *hidden = forward(
         params, cfg, inputs.token_ids, inputs.positions, kv_cache, inputs.md, inputs.logits_indices,
         q_tile=q_tile, kv_tile=kv_tile, attention_backend=attention_backend, decode_only=decode_only,
         return_hidden=return_hidden, lora_mask=inputs.lora_mask, lora_branches=sampler_branches, lora_rank=lora_rank,
     )
-    return sample(logits, inputs.sampling, sampler_branches), kv_cache, *hidden
+    return sample(logits, inputs.sampling, sampler_branches, sampler_kernel), kv_cache, *hidden
 
 
 def _batch_step(params, kv_cache, state: BatchState, packed: tuple[jax.Array, jax.Array], *, step: Callable,
@@ -110,7 +110,7 @@ class ModelRunner:
         # LoRA through the C++ kernel where the C++ matmul runs (its kernels are built), else XLA's masked dots
         lora_kernel = bool(self.lora) and self.matmul_backend in ("cpu", "cpu-bf16")
         step = functools.partial(step, kv_tile=resolved.kv_tile, attention_backend=self.attention_backend,
-                                 sampler_branches=resolved.sampler_branches,
+                                 sampler_branches=resolved.sampler_branches, sampler_kernel=resolved.sampler_kernel,
                                  **({"lora_rank": self.lora.rank} if lora_kernel else {}))
         lora = (self.lora.max_loras, self.lora.rank, lora_kernel) if self.lora else None
         batched = lambda **kwargs: functools.partial(_batch_step, step=functools.partial(step, **kwargs), lora=lora)  # noqa: E731
