@@ -21,8 +21,9 @@ Steps (each prints what it does):
 2. The default model exported with `jaxserve convert --to hf` (float32 safetensors), which vLLM reads.
 3. The servers started once on localhost, one after the other (only one is ever under load), each with
    the same max_model_len, max_num_seqs, max_num_batched_tokens and KV-cache size.
-4. The bench client on the random dataset (--input-len in, --output-len out, --ignore-eos), per round and
-   concurrency, every configuration in turn (A B C A B C); medians. --client vllm (the default) is
+4. The bench client on the random dataset (--input-len in, --output-len out, --ignore-eos; greedy, or
+   --temperature with --top-p / --top-k), per round and concurrency, every configuration in turn (A B C A B C);
+   medians. --client vllm (the default) is
    `vllm bench serve`, vLLM's own client, for every engine; --client jaxserve is `jaxserve bench serve`.
    With vLLM's client, results.md also ranks each run's request 0 by TTFT: the client warms up with copies
    of it, so it is a prefix-cache hit, served at once where the client happens to send it early.
@@ -177,6 +178,22 @@ def server(name: str, cmd: list[str], port: int, log_path: Path, env: dict | Non
 DETAILS_DROPPED = ("generated_texts", "itls", "input_lens", "output_lens")
 
 
+def sampling_flags(args) -> list[str]:
+    """--temperature (0: greedy), and --top-p and --top-k where given: both clients take these flags."""
+    return ["--temperature", str(args.temperature)] + [
+        flag for name, value in (("--top-p", args.top_p), ("--top-k", args.top_k)) if value is not None
+        for flag in (name, str(value))]
+
+
+def describe_sampling(args) -> str:
+    """How the requests sample, for results.md."""
+    if args.temperature == 0:
+        return "greedy"
+    return ", ".join([f"temperature {args.temperature:g}"] + [f"{name} {value:g}" for name, value in
+                                                             (("top_p", args.top_p), ("top_k", args.top_k))
+                                                             if value is not None])
+
+
 def bench(label: str, port: int, concurrency: int, num_prompts: int, seed: int, args, out: Path) -> dict:
     """One run of the client (--client) against the server on port: its summary, vLLM's field names."""
     if args.client == "vllm":
@@ -185,7 +202,7 @@ def bench(label: str, port: int, concurrency: int, num_prompts: int, seed: int, 
              "--model", "SmolLM2-135M-Instruct", "--tokenizer", str(args.hf_dir), "--dataset-name", "random",
              "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
              "--num-prompts", str(num_prompts), "--ignore-eos", "--max-concurrency", str(concurrency),
-             "--num-warmups", str(min(concurrency, 4)), "--temperature", "0", "--seed", str(seed),
+             "--num-warmups", str(min(concurrency, 4)), *sampling_flags(args), "--seed", str(seed),
              "--save-result", "--save-detailed", "--result-dir", str(out.parent), "--result-filename", out.name],
             env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"}, stdout=subprocess.DEVNULL)
         # its record names the tokenizer by absolute path: kept relative to the repository, as the args are
@@ -195,7 +212,8 @@ def bench(label: str, port: int, concurrency: int, num_prompts: int, seed: int, 
     run([sys.executable, "-m", "jaxserve.cli", "bench", "serve", "--port", str(port), "--label", label,
          "--tokenizer", str(args.hf_dir), "--num-prompts", str(num_prompts), "--input-len", str(args.input_len),
          "--output-len", str(args.output_len), "--ignore-eos", "--max-concurrency", str(concurrency),
-         "--num-warmups", str(min(concurrency, 4)), "--seed", str(seed), "--out", str(out), "--no-progress"],
+         "--num-warmups", str(min(concurrency, 4)), *sampling_flags(args), "--seed", str(seed), "--out", str(out),
+         "--no-progress"],
         stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())["runs"][0]
 
@@ -256,6 +274,10 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--kv-cache-gib", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="every request's (0: greedy); with --top-p / --top-k, sent by either client")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--jaxserve", action="append", metavar="NAME=FLAGS",
                         help="a jaxserve configuration, repeatable (default: 'jaxserve=', its defaults)")
     parser.add_argument("--vllm-dtypes", nargs="+", default=["bfloat16", "float32"],
@@ -371,7 +393,8 @@ def main() -> None:
     client = "`vllm bench serve`" if args.client == "vllm" else "`jaxserve bench serve`"
     text = "\n".join([
         f"SmolLM2-135M-Instruct; random prompts of {args.input_len} tokens, {args.output_len} output tokens, "
-        f"--ignore-eos, client {client}; median of {args.rounds} alternating runs; {machine}",
+        f"--ignore-eos, {describe_sampling(args)}, client {client}; median of {args.rounds} alternating runs; "
+        f"{machine}",
         f"limits for all: {limits}, KV cache {args.kv_cache_gib} GiB", *configs, "",
         table, "", *ratios, "",
         "compute ceilings (output tok/s if every FLOP ran at the fastest large matmul measured here in the dtype, "
@@ -422,9 +445,9 @@ def check_vllm_client(vllm_python: Path, args, concurrency: int, port: int = JAX
              "--model", "SmolLM2-135M-Instruct", "--tokenizer", str(args.hf_dir), "--dataset-name", "random",
              "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
              "--num-prompts", str(num_prompts), "--ignore-eos", "--max-concurrency", str(concurrency),
-             # greedy, as `jaxserve bench serve` asks: without it vLLM's client leaves the temperature to
-             # the server (1.0 by the OpenAI API), and the two clients would time different work
-             "--temperature", "0",
+             # the same sampling as `jaxserve bench serve` asks (greedy by default): without --temperature vLLM's
+             # client leaves it to the server, and the two clients would time different work
+             *sampling_flags(args),
              "--seed", str(seed), "--save-result", "--result-dir", str(result_dir), "--result-filename", name],
             env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"}, stdout=subprocess.DEVNULL)
         theirs.append(json.loads((result_dir / name).read_text())["output_throughput"])

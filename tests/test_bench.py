@@ -319,6 +319,36 @@ def test_bench_serve_chat_endpoint(server, tiny_model_dir, tmp_path):
     assert summary["total_input_tokens"] > 3 * 10  # the chat template's tokens count as prompt tokens
 
 
+def test_bench_serve_sends_the_sampling_the_flags_ask_for(server, tiny_model_dir, tmp_path, compare_vllm):
+    """Greedy by default; --temperature, --top-p and --top-k (vLLM bench serve's flags) go into every request
+    and the report, and the vLLM comparison hands the same flags to either client."""
+    import argparse
+
+    from jaxserve.bench.datasets import BenchRequest
+    from jaxserve.bench.serve import add_flags, request_body, sampling_fields
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    request = BenchRequest(prompt="hi", prompt_len=1, output_len=4)
+    greedy = request_body("completions", "tiny", request, False, sampling_fields(parser.parse_args([])))
+    assert (greedy["temperature"], "top_p" in greedy, "top_k" in greedy) == (0.0, False, False)
+    args = parser.parse_args(["--temperature", "0.8", "--top-p", "0.5", "--top-k", "3"])
+    body = request_body("chat", "tiny", request, True, sampling_fields(args))
+    assert (body["temperature"], body["top_p"], body["top_k"], body["ignore_eos"]) == (0.8, 0.5, 3, True)
+    assert compare_vllm.sampling_flags(args) == ["--temperature", "0.8", "--top-p", "0.5", "--top-k", "3"]
+    assert compare_vllm.describe_sampling(args) == "temperature 0.8, top_p 0.5, top_k 3"
+    assert compare_vllm.describe_sampling(parser.parse_args([])) == "greedy"
+    out = tmp_path / "sampled.json"
+    run = _cli("bench", "serve", "--base-url", server.url, "--api-key", API_KEY, "--tokenizer",
+               str(tiny_model_dir("llama")), "--num-prompts", "3", "--input-len", "10", "--output-len", "4",
+               "--ignore-eos", "--temperature", "0.8", "--top-p", "0.5", "--top-k", "3", "--out", str(out),
+               "--no-progress")
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    assert report["sampling"] == {"temperature": 0.8, "top_p": 0.5, "top_k": 3}
+    assert (report["runs"][0]["completed"], report["runs"][0]["total_output_tokens"]) == (3, 12)
+
+
 def test_bench_serve_reports_failures_instead_of_crashing(server, tiny_model_dir, tmp_path):
     out = tmp_path / "bad.json"
     run = _cli("bench", "serve", "--base-url", server.url, "--api-key", "wrong", "--model", "tiny",

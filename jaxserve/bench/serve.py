@@ -35,9 +35,12 @@ from jaxserve.bench.datasets import BenchRequest, add_dataset_flags, requests_fr
 from jaxserve.bench.metrics import RequestResult, format_summary, format_sweep, plot_sweep, server_figures, summarize
 
 
-def _payload(endpoint: str, model: str, request: BenchRequest, ignore_eos: bool) -> dict:
+def request_body(endpoint: str, model: str, request: BenchRequest, ignore_eos: bool,
+                 sampling: dict | None = None) -> dict:
+    """One request's JSON: greedy unless `sampling` ({"temperature": ..., "top_p": ..., "top_k": ...}, the
+    fields given) says otherwise."""
     body = {"model": model, "max_tokens": request.output_len, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}} | (sampling or {})
     if ignore_eos:
         body["ignore_eos"] = True  # vLLM's extension; jaxserve has it too
     if request.json_schema is not None:
@@ -141,7 +144,8 @@ async def scrape_metrics(client, base_url: str) -> dict[tuple[str, tuple], float
 async def run_once(base_url: str, endpoint: str, model: str, requests: list[BenchRequest], *,
                    max_concurrency: int | None, request_rate: float, ignore_eos: bool, seed: int,
                    warmups: list[BenchRequest] = (), api_key: str | None = None,
-                   progress: bool = True, lora_modules: list[str] | None = None) -> tuple[list, float, dict]:
+                   progress: bool = True, lora_modules: list[str] | None = None,
+                   sampling: dict | None = None) -> tuple[list, float, dict]:
     """Sends every request (to `model`, or with `lora_modules` to those adapters: `request_models`); returns (results in dataset order, wall seconds from first send to last answer,
     what the server's /metrics says of those seconds: the engine's busy fractions if it is jaxserve, the
     speculative decoding figures if it speculates; empty otherwise)."""
@@ -155,8 +159,8 @@ async def run_once(base_url: str, endpoint: str, model: str, requests: list[Benc
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits, headers=headers) as client:
         async def limited(request: BenchRequest, request_model: str) -> RequestResult:
             async with semaphore:
-                return await send_request(client, url, _payload(endpoint, request_model, request, ignore_eos),
-                                          request)
+                body = request_body(endpoint, request_model, request, ignore_eos, sampling)
+                return await send_request(client, url, body, request)
 
         if warmups:
             warm = await asyncio.gather(*map(limited, warmups, request_models(model, lora_modules, len(warmups),
@@ -232,7 +236,8 @@ def run(args: argparse.Namespace) -> dict:
         results, duration, engine = asyncio.run(run_once(
             base_url, args.endpoint, model, requests, max_concurrency=concurrency,
             request_rate=args.request_rate, ignore_eos=args.ignore_eos, seed=args.seed,
-            warmups=warmups, api_key=api_key, progress=not args.no_progress, lora_modules=args.lora_modules))
+            warmups=warmups, api_key=api_key, progress=not args.no_progress, lora_modules=args.lora_modules,
+            sampling=sampling_fields(args)))
         summary = summarize(results, duration) | engine | {"max_concurrency": concurrency,
                                                              "request_rate": args.request_rate}
         summaries.append(summary)
@@ -243,7 +248,7 @@ def run(args: argparse.Namespace) -> dict:
               "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
               "range_ratio": args.range_ratio, "random_prefix_len": args.random_prefix_len, "dataset_name": args.dataset_name, "dataset_path": args.dataset_path,
               "structured_output_ratio": args.structured_output_ratio, "lora_modules": args.lora_modules,
-              "runs": summaries}
+              "sampling": {"temperature": 0.0} | sampling_fields(args), "runs": summaries}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
@@ -251,6 +256,12 @@ def run(args: argparse.Namespace) -> dict:
         plot_sweep({args.label: summaries}, args.plot, f"{model}: {args.input_len} in / {args.output_len} out")
         print(f"wrote {args.plot}", file=sys.stderr)
     return report
+
+
+def sampling_fields(args: argparse.Namespace) -> dict:
+    """The sampling fields the flags put in every request: temperature, and top_p and top_k where given."""
+    return {"temperature": args.temperature} | {name: value for name, value in
+                                                (("top_p", args.top_p), ("top_k", args.top_k)) if value is not None}
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -273,6 +284,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-warmups", type=int, default=0,
                         help="untimed requests sent first (generated datasets: prompts other than the timed ones)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --output-len tokens")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sent with every request (default 0: greedy; vLLM bench serve's flag)")
+    parser.add_argument("--top-p", type=float, default=None, help="sent with every request where given")
+    parser.add_argument("--top-k", type=int, default=None, help="sent with every request where given")
     parser.add_argument("--structured-output-ratio", type=float, default=0.0,
                         help="share of the requests that ask for JSON with a schema (response_format)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated datasets and of the arrivals")
