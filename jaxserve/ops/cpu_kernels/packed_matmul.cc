@@ -92,6 +92,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxserve::FusedMulAdd;
 using jaxserve::IntVec;
 using jaxserve::kLanes;
 using jaxserve::Load;
@@ -346,7 +347,9 @@ __attribute__((always_inline)) inline void Accumulate(const Problem<T>& p, int64
       AccumulateSteps<T, R>(p, x_rows, w_panel, sums, prefetch, g * p.group_steps, (g + 1) * p.group_steps);
       for (int r = 0; r < R; ++r) {
         const float x_scale = p.x_scale[(row + r) * p.groups + g];
-        for (int j = 0; j < kVectors; ++j) acc[r][j] += __builtin_convertvector(sums[r][j], Vec) * x_scale;
+        for (int j = 0; j < kVectors; ++j) {
+          acc[r][j] = FusedMulAdd(__builtin_convertvector(sums[r][j], Vec), Vec{} + x_scale, acc[r][j]);
+        }
       }
     }
   }
@@ -621,9 +624,9 @@ void AmxBlock(const Problem<U8Quads>& p, int64_t row, int64_t panel, float* c, i
       for (int j = 0; j < kVectors; ++j) {
         IntVec group_sums;
         std::memcpy(&group_sums, sums + r * kPanelWidth + j * kLanes, sizeof(group_sums));
-        const Vec scaled = __builtin_convertvector(group_sums, Vec) * x_scale;
         float* out = c + r * stride + j * kLanes;
-        Store(out, g == 0 ? scaled : Load(out) + scaled);
+        // The vector code's sum, rounded as it rounds it (Accumulate).
+        Store(out, FusedMulAdd(__builtin_convertvector(group_sums, Vec), Vec{} + x_scale, g == 0 ? Vec{} : Load(out)));
       }
     }
   }

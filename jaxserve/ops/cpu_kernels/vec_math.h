@@ -4,6 +4,9 @@
 #pragma once
 
 #include <cstdint>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace jaxserve {
 
@@ -18,6 +21,21 @@ typedef float UnalignedVec __attribute__((vector_size(kLanes * sizeof(float)), a
 
 inline Vec Load(const float* x) { return *reinterpret_cast<const UnalignedVec*>(x); }
 inline void Store(float* x, Vec v) { *reinterpret_cast<UnalignedVec*>(x) = v; }
+
+// a * b + c rounded once, in every lane, whatever the compiler would contract on its own (-ffp-contract
+// fuses a product into its sum only where the product has no other use, so two spellings of one sum may
+// round differently): where two paths must give the same bits (the int8 matmul's tiles and its vector
+// code), both call this.
+inline Vec FusedMulAdd(Vec a, Vec b, Vec c) {
+#if defined(__AVX512F__)
+  return (Vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  return (Vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  for (int i = 0; i < kLanes; ++i) c[i] = __builtin_fmaf(a[i], b[i], c[i]);
+  return c;
+#endif
+}
 
 // bfloat16 bits (uint16_t), widened to float32 as they are read: Load (kLanes of them) and Widen (one).
 using Bf16 = uint16_t;
