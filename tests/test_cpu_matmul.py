@@ -208,13 +208,15 @@ def test_amx_is_used_where_the_cpu_has_it():
 
 
 @needs_kernels
-@pytest.mark.parametrize("k, n", [(2, 1), (34, 47), (64, 320), (576, 960)])
+@pytest.mark.parametrize("k, n", [(2, 1), (34, 47), (64, 320), (576, 442), (576, 960)])
 @pytest.mark.parametrize("m", [1, 3, 9, 16, 17, 20, 33, 50])
 def test_bfloat16_packed_matmul_is_the_product_of_the_rounded_operands(m, k, n, matmul_path):
     """Packed in bfloat16, the kernel multiplies x and w rounded to bfloat16 (exact products) and sums in
     float32: it matches the float64 product of the rounded operands to float32's summation error, far
     closer than to the unrounded product, whatever the CPU's instructions (AMX tiles in blocks of up to 16
-    rows where K is a multiple of 32, vdpbf16ps or widening elsewhere)."""
+    rows where K is a multiple of 32, vdpbf16ps or widening elsewhere). Past 32 rows on AMX tiles a work
+    item takes several panels (PanelsPerItem): 442 columns are ten panels, the last of them ten columns
+    wide, in an item with the one before it."""
     rng = np.random.default_rng(m * 1000 + n)
     x = rng.standard_normal((m, k), np.float32)
     w = rng.standard_normal((k, n), np.float32)

@@ -47,7 +47,7 @@ def quantized_product(x: np.ndarray, packed: PackedWeight, n: int) -> np.ndarray
 
 
 @needs_kernels
-@pytest.mark.parametrize("k, n", [(4, 1), (32, 47), (64, 96), (576, 960)])
+@pytest.mark.parametrize("k, n", [(4, 1), (32, 47), (64, 96), (576, 442), (576, 960)])
 @pytest.mark.parametrize("m", [1, 8, 9, 16, 17, 33])
 def test_int8_matmul_is_the_product_of_the_quantized_operands(m, k, n, matmul_path):
     """Exact integer sums (AMX's tdpbsud for whole blocks of 16 rows, vpdpbusd, vpmaddubsw, or widened bytes) then two

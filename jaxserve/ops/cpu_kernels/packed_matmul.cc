@@ -21,7 +21,8 @@
 // Only the first `rows` rows of x are multiplied (a step's real tokens; the rest of its shape bucket
 // is padding): the rows past them get zeros. A 287-token step in the 512 bucket costs 287 rows.
 //
-// Column panels are spread over XLA's intra-op threads (parallel_for.h). While a thread multiplies
+// Column panels are spread over XLA's intra-op threads (parallel_for.h), on AMX tiles several to a work
+// item where the rows take more than one pass (PanelsPerItem). While a thread multiplies
 // its second row tile with a panel that is already in L2 (or its only tile, when M <= kRows), it
 // prefetches the panel it does next, one row of it per k, because otherwise the first tile of every
 // panel waits on memory.
@@ -632,12 +633,13 @@ void AmxBlock(const Problem<U8Quads>& p, int64_t row, int64_t panel, float* c, i
   }
 }
 
-// x's rows in blocks of 16, the last block the rest (if it has kMinAmxRows rows), against panel `panel`
-// (y's `columns` of it; gated: with its up panel); returns the rows done (0 where the tile unit is not
-// used). bfloat16 takes two whole blocks at a time where it can (AmxPair). `next` is prefetched by the pass
-// that holds the second block, or by the only one.
+// x's rows in blocks of 16, the last block the rest (if it has kMinAmxRows rows), against panels
+// first_panel..first_panel + count - 1 (y's columns of each; gated: each with its up panel), a pass of rows
+// over every panel before the next pass; returns the rows done (0 where the tile unit is not used).
+// bfloat16 takes two whole blocks at a time where it can (AmxPair). Each panel's pass that holds the
+// second block, or the only one, prefetches the panel after it (the last: `next`).
 template <bool kGated, typename T>
-int64_t AmxRows(const Problem<T>& p, int64_t panel, int64_t columns, int64_t next) {
+int64_t AmxRows(const Problem<T>& p, int64_t first_panel, int64_t count, int64_t next) {
   if (!UseAmx(p)) return 0;
   constexpr int64_t kMaxPass = std::is_same_v<T, Bf16Pairs> ? 2 * kAmxRows : kAmxRows;  // rows a pass
   alignas(64) float gate[kMaxPass * kPanelWidth], up[kMaxPass * kPanelWidth];
@@ -650,50 +652,76 @@ int64_t AmxRows(const Problem<T>& p, int64_t panel, int64_t columns, int64_t nex
     const int64_t pass = done - row >= kMaxPass ? kMaxPass : std::min<int64_t>(kAmxRows, done - row);
     const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, pass));  // the tiles' rows
     if (rows != configured) ConfigureTiles(configured = rows);
-    const bool prefetches = row <= prefetching && prefetching < row + pass && next >= 0;
-    // rows row..row + pass - 1 of x . panel `of` into c (row stride `stride`), with panel `ahead` prefetched
-    auto multiply = [&](int64_t of, float* c, int64_t stride, int64_t ahead) {
-      const uint32_t* prefetch = prefetches ? p.panel(ahead) : nullptr;
-      if constexpr (std::is_same_v<T, Bf16Pairs>) {
-        if (pass == 2 * kAmxRows) return AmxPair(p, row, of, c, stride, prefetch);
-      }
-      AmxBlock(p, row, of, c, stride, prefetch, rows);
-    };
-    if constexpr (kGated) {
-      multiply(panel, gate, kPanelWidth, next);
-      multiply(panel + up_offset, up, kPanelWidth, next + up_offset);
-      StoreGatedRows(p, row, panel, pass, gate, up);
-    } else {
-      float* y = p.y + row * p.n + panel * kPanelWidth;
-      if (std::is_same_v<T, Bf16Pairs> && columns == kPanelWidth) {  // the tiles are the output
-        multiply(panel, y, p.n, next);
+    for (int64_t panel = first_panel; panel < first_panel + count; ++panel) {
+      const int64_t columns = kGated ? kPanelWidth : std::min<int64_t>(kPanelWidth, p.n - panel * kPanelWidth);
+      const int64_t after = panel + 1 < first_panel + count ? panel + 1 : next;  // the panel to prefetch
+      const bool prefetches = row <= prefetching && prefetching < row + pass && after >= 0;
+      // rows row..row + pass - 1 of x . panel `of` into c (row stride `stride`), with panel `ahead` prefetched
+      auto multiply = [&](int64_t of, float* c, int64_t stride, int64_t ahead) {
+        const uint32_t* prefetch = prefetches ? p.panel(ahead) : nullptr;
+        if constexpr (std::is_same_v<T, Bf16Pairs>) {
+          if (pass == 2 * kAmxRows) return AmxPair(p, row, of, c, stride, prefetch);
+        }
+        AmxBlock(p, row, of, c, stride, prefetch, rows);
+      };
+      if constexpr (kGated) {
+        multiply(panel, gate, kPanelWidth, after);
+        multiply(panel + up_offset, up, kPanelWidth, after + up_offset);
+        StoreGatedRows(p, row, panel, pass, gate, up);
       } else {
-        multiply(panel, gate, kPanelWidth, next);
-        for (int r = 0; r < pass; ++r) {
-          alignas(64) float values[kPanelWidth];
-          for (int j = 0; j < kVectors; ++j)
-            Store(values + j * kLanes, p.out(Load(gate + r * kPanelWidth + j * kLanes), row + r,
-                                             panel * kPanelWidth + j * kLanes));
-          std::memcpy(y + r * p.n, values, columns * sizeof(float));
+        float* y = p.y + row * p.n + panel * kPanelWidth;
+        if (std::is_same_v<T, Bf16Pairs> && columns == kPanelWidth) {  // the tiles are the output
+          multiply(panel, y, p.n, after);
+        } else {
+          multiply(panel, gate, kPanelWidth, after);
+          for (int r = 0; r < pass; ++r) {
+            alignas(64) float values[kPanelWidth];
+            for (int j = 0; j < kVectors; ++j)
+              Store(values + j * kLanes, p.out(Load(gate + r * kPanelWidth + j * kLanes), row + r,
+                                               panel * kPanelWidth + j * kLanes));
+            std::memcpy(y + r * p.n, values, columns * sizeof(float));
+          }
         }
       }
     }
     row += pass;
   }
   _tile_release();
-  amx_blocks.fetch_add(blocks, std::memory_order_relaxed);
+  amx_blocks.fetch_add(blocks * count, std::memory_order_relaxed);
   return done;
 }
 #endif
 
 // The rows that the tile unit multiplies first (bfloat16 or int8 weights on an AMX CPU), 0 otherwise.
 template <bool kGated, typename T>
-int64_t TileUnitRows(const Problem<T>& p, int64_t panel, int64_t columns, int64_t next) {
+int64_t TileUnitRows(const Problem<T>& p, int64_t first_panel, int64_t count, int64_t next) {
 #if JAXSERVE_AMX
-  if constexpr (std::is_same_v<T, Bf16Pairs> || std::is_same_v<T, U8Quads>) return AmxRows<kGated>(p, panel, columns, next);
+  if constexpr (std::is_same_v<T, Bf16Pairs> || std::is_same_v<T, U8Quads>) return AmxRows<kGated>(p, first_panel, count, next);
 #endif
-  (void)p, (void)panel, (void)columns, (void)next;
+  (void)p, (void)first_panel, (void)count, (void)next;
   return 0;
+}
+
+// Panels a work item takes: one, or on the tile unit, where the rows take more than one pass, as many
+// as keep the item's weights within kGroupBytes of L2 and leave each thread two items or more. Its
+// passes then go row block by row block over the item's panels, each block's rows of x read from L1
+// by every panel in turn rather than from L2 once per panel.
+constexpr int64_t kGroupBytes = 1 << 20;
+
+template <bool kGated, typename T>
+int64_t PanelsPerItem(const Problem<T>& p, int64_t units, int64_t threads) {
+#if JAXSERVE_AMX
+  if constexpr (std::is_same_v<T, Bf16Pairs> || std::is_same_v<T, U8Quads>) {
+    constexpr int64_t kMaxPass = std::is_same_v<T, Bf16Pairs> ? 2 * kAmxRows : kAmxRows;
+    if (p.m > kMaxPass && UseAmx(p)) {
+      const int64_t unit_bytes = p.steps * kPanelWidth * static_cast<int64_t>(sizeof(uint32_t)) * (kGated ? 2 : 1);
+      const int64_t fair = units / (2 * std::max<int64_t>(threads, 1));
+      return std::max<int64_t>(1, std::min(kGroupBytes / unit_bytes, fair));
+    }
+  }
+#endif
+  (void)p, (void)units, (void)threads;
+  return 1;
 }
 
 // The row tile that prefetches the thread's next panel: the second, or the only one.
@@ -703,11 +731,10 @@ int64_t PrefetchingRow(const Problem<T>& p) { return p.m > T::kRows ? T::kRows :
 // The rows of x in tiles of kRows, then one tile of the rest, against one column panel; `next`, the
 // panel this thread does next (-1: none), is prefetched meanwhile.
 template <typename T, int... R>
-void Panel(const Problem<T>& p, int64_t panel, int64_t next, std::integer_sequence<int, R...>) {
+void Panel(const Problem<T>& p, int64_t panel, int64_t next, int64_t first, std::integer_sequence<int, R...>) {
   using TileFn = void (*)(const Problem<T>&, int64_t, int64_t, int64_t, const typename T::WElem*);
   static constexpr TileFn kTiles[] = {nullptr, &Tile<T, R + 1>...};  // kTiles[r]: a tile of r rows
   const int64_t columns = std::min<int64_t>(kPanelWidth, p.n - panel * kPanelWidth);
-  int64_t first = TileUnitRows<false>(p, panel, columns, next);
   if (first == 0) first = BlockedRows<false>(p, panel, columns, std::integer_sequence<int, R...>());
   for (int64_t row = first; row < p.m; row += T::kRows) {
     const int64_t rows = std::min<int64_t>(T::kRows, p.m - row);
@@ -717,10 +744,9 @@ void Panel(const Problem<T>& p, int64_t panel, int64_t next, std::integer_sequen
 
 // The same for gate panel `panel` and its up panel.
 template <typename T, int... R>
-void GatedPanel(const Problem<T>& p, int64_t panel, int64_t next, std::integer_sequence<int, R...>) {
+void GatedPanel(const Problem<T>& p, int64_t panel, int64_t next, int64_t first, std::integer_sequence<int, R...>) {
   using TileFn = void (*)(const Problem<T>&, int64_t, int64_t, int64_t);
   static constexpr TileFn kTiles[] = {nullptr, &GatedTile<T, R + 1>...};
-  int64_t first = TileUnitRows<true>(p, panel, kPanelWidth, next);
   if (first == 0) first = BlockedRows<true>(p, panel, kPanelWidth, std::integer_sequence<int, R...>());
   for (int64_t row = first; row < p.m; row += T::kRows) {
     const int64_t rows = std::min<int64_t>(T::kRows, p.m - row);
@@ -761,12 +787,20 @@ bool ShapesMatch(ffi::Span<const int64_t> x_dims, ffi::Span<const int64_t> w_dim
 template <typename T, bool kGated>
 void Run(ffi::ThreadPool& pool, const Problem<T>& problem) {
   if (problem.m == 0) return;
-  jaxserve::ParallelFor(pool, kGated ? problem.panels / 2 : problem.panels, [problem] {
-    return [problem](int64_t panel, int64_t next) {
-      if constexpr (kGated) {
-        GatedPanel(problem, panel, next, std::make_integer_sequence<int, T::kRows>());
-      } else {
-        Panel(problem, panel, next, std::make_integer_sequence<int, T::kRows>());
+  const int64_t units = kGated ? problem.panels / 2 : problem.panels;
+  const int64_t per_item = PanelsPerItem<kGated>(problem, units, pool.num_threads());
+  jaxserve::ParallelFor(pool, (units + per_item - 1) / per_item, [problem, units, per_item] {
+    return [problem, units, per_item](int64_t item, int64_t next_item) {
+      const int64_t first = item * per_item, count = std::min(per_item, units - first);
+      const int64_t next = next_item < 0 ? -1 : next_item * per_item;
+      const int64_t done = TileUnitRows<kGated>(problem, first, count, next);  // rows done on every panel
+      for (int64_t panel = first; panel < first + count; ++panel) {
+        const int64_t after = panel + 1 < first + count ? panel + 1 : next;
+        if constexpr (kGated) {
+          GatedPanel(problem, panel, after, done, std::make_integer_sequence<int, T::kRows>());
+        } else {
+          Panel(problem, panel, after, done, std::make_integer_sequence<int, T::kRows>());
+        }
       }
     };
   });
