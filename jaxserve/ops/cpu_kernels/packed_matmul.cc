@@ -499,6 +499,10 @@ static_assert(kPanelWidth == 3 * 16, "a panel is three AMX weight tiles wide");
 template <typename T>
 constexpr int64_t kMinAmxRows = std::is_same_v<T, U8Quads> ? kAmxRows : 1;
 
+// Rows a pass takes on the tiles: bfloat16 two whole blocks (AmxPair), int8 one.
+template <typename T>
+constexpr int64_t kAmxPassRows = std::is_same_v<T, Bf16Pairs> ? 2 * kAmxRows : kAmxRows;
+
 template <typename T>
 bool UseAmx(const Problem<T>& p) {
   if (p.m < kMinAmxRows<T> || p.steps % kAmxRows != 0) return false;
@@ -641,7 +645,7 @@ void AmxBlock(const Problem<U8Quads>& p, int64_t row, int64_t panel, float* c, i
 template <bool kGated, typename T>
 int64_t AmxRows(const Problem<T>& p, int64_t first_panel, int64_t count, int64_t next) {
   if (!UseAmx(p)) return 0;
-  constexpr int64_t kMaxPass = std::is_same_v<T, Bf16Pairs> ? 2 * kAmxRows : kAmxRows;  // rows a pass
+  constexpr int64_t kMaxPass = kAmxPassRows<T>;
   alignas(64) float gate[kMaxPass * kPanelWidth], up[kMaxPass * kPanelWidth];
   const int64_t done = p.m % kAmxRows >= kMinAmxRows<T> ? p.m : p.m / kAmxRows * kAmxRows;
   const int64_t blocks = (done + kAmxRows - 1) / kAmxRows;
@@ -712,8 +716,7 @@ template <bool kGated, typename T>
 int64_t PanelsPerItem(const Problem<T>& p, int64_t units, int64_t threads) {
 #if JAXSERVE_AMX
   if constexpr (std::is_same_v<T, Bf16Pairs> || std::is_same_v<T, U8Quads>) {
-    constexpr int64_t kMaxPass = std::is_same_v<T, Bf16Pairs> ? 2 * kAmxRows : kAmxRows;
-    if (p.m > kMaxPass && UseAmx(p)) {
+    if (p.m > kAmxPassRows<T> && UseAmx(p)) {
       const int64_t unit_bytes = p.steps * kPanelWidth * static_cast<int64_t>(sizeof(uint32_t)) * (kGated ? 2 : 1);
       const int64_t fair = units / (2 * std::max<int64_t>(threads, 1));
       return std::max<int64_t>(1, std::min(kGroupBytes / unit_bytes, fair));
@@ -728,8 +731,9 @@ int64_t PanelsPerItem(const Problem<T>& p, int64_t units, int64_t threads) {
 template <typename T>
 int64_t PrefetchingRow(const Problem<T>& p) { return p.m > T::kRows ? T::kRows : 0; }
 
-// The rows of x in tiles of kRows, then one tile of the rest, against one column panel; `next`, the
-// panel this thread does next (-1: none), is prefetched meanwhile.
+// The rows of x from `first` (those before it done on the tile unit, TileUnitRows) in tiles of kRows,
+// then one tile of the rest, against one column panel; `next`, the panel this thread does next (-1:
+// none), is prefetched meanwhile.
 template <typename T, int... R>
 void Panel(const Problem<T>& p, int64_t panel, int64_t next, int64_t first, std::integer_sequence<int, R...>) {
   using TileFn = void (*)(const Problem<T>&, int64_t, int64_t, int64_t, const typename T::WElem*);
