@@ -204,3 +204,36 @@ def test_two_processes_starting_at_once_build_the_kernels_once(tmp_path):
     assert len(calls) == len(cpu_ffi.SOURCES) + 1, calls
     # the stand-in compiler's empty library cannot be loaded: both say so, the waiting one included
     assert all("cannot load the CPU kernels" in out for out, _ in outputs), outputs
+
+
+def functions_in(library, names: tuple[str, ...]) -> dict[str, set[str]]:
+    """The instruction mnemonics of each function in `library` whose demangled name starts with one of
+    `names`, by its full demangled name (each overload and clone apart)."""
+    listing = subprocess.run([shutil.which("objdump"), "-d", "-C", "--no-show-raw-insn", str(library)],
+                             capture_output=True, text=True, check=True).stdout
+    found: dict[str, set[str]] = {}
+    current = None
+    for line in listing.splitlines():
+        if line.endswith(">:"):
+            name = line.split("<", 1)[1].removeprefix("(anonymous namespace)::")
+            current = name if any(name.startswith(n + "(") for n in names) else None
+        elif current is not None and "\t" in line:
+            found.setdefault(current, set()).add(line.split("\t")[1].split()[0])
+    return found
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump")
+def test_the_tile_units_matmul_keeps_both_its_prefetches():
+    """GCC 12 dropped `__builtin_prefetch` from the functions that issue AMX tile instructions, so the built
+    AmxPair and AmxBlock never fetched the next panel into L2. Their prefetches are asm statements now; the
+    library must hold both: the next step's weight rows into L1 (prefetcht0), the next panel into L2
+    (prefetcht2)."""
+    if not cpu_ffi.amx_available():
+        pytest.skip("the kernels are not built for AMX tiles here")
+    library = cpu_ffi.library_path(os.environ.get("CXX", "c++"))
+    found = functions_in(library, ("AmxPair", "AmxBlock"))
+    kinds = sorted(name.split("(")[0] + (" int8" if "U8Quads" in name else "") for name in found)
+    assert kinds == ["AmxBlock", "AmxBlock int8", "AmxPair"], list(found)  # bfloat16's block and pair, int8's block
+    for name, mnemonics in found.items():
+        assert {"prefetcht0", "prefetcht2"} <= mnemonics, (name, sorted(mnemonics))
+        assert ("tdpbsud" if "U8Quads" in name else "tdpbf16ps") in mnemonics, (name, sorted(mnemonics))

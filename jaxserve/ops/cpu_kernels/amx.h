@@ -45,6 +45,12 @@ inline void ConfigureTiles(int rows = kAmxRows) {
   }
   _tile_loadconfig(&config);
 }
+
+// A prefetch of the cache line at p into L1 (prefetcht0) or L2 (prefetcht2), written as an asm statement
+// the compiler must keep: GCC 12 silently dropped `__builtin_prefetch` calls from the functions that issue
+// tile instructions (the built AmxPair and AmxBlock had lost their prefetch of the next panel).
+inline void PrefetchL1(const void* p) { __asm__ volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p))); }
+inline void PrefetchL2(const void* p) { __asm__ volatile("prefetcht2 %0" : : "m"(*static_cast<const char*>(p))); }
 #endif
 
 }  // namespace jaxserve

@@ -516,14 +516,14 @@ bool UseAmx(const Problem<T>& p) {
 inline void PrefetchTileRows(const uint32_t* prefetch, int64_t k) {
   if (prefetch == nullptr) return;
   for (int line = 0; line < kAmxRows * kPanelWidth / 16; ++line)
-    __builtin_prefetch(prefetch + k * kPanelWidth + line * 16, 0, 1);
+    jaxserve::PrefetchL2(prefetch + k * kPanelWidth + line * 16);
 }
 
 // The next step's weight rows into L1 meanwhile: +15-20% at 256 rows (the panel is in L2; the hardware
 // prefetcher alone leaves the tile loads waiting). A prefetch past the array's end never faults.
 inline void PrefetchNextWeightRows(const uint32_t* w, int64_t k) {
   for (int line = 0; line < kAmxRows * kPanelWidth / 16; ++line)
-    __builtin_prefetch(w + (k + kAmxRows) * kPanelWidth + line * 16, 0, 3);
+    jaxserve::PrefetchL1(w + (k + kAmxRows) * kPanelWidth + line * 16);
 }
 
 // Steps k.. k + 15 of x's rows and the panel w into accumulator tiles 0-2 (bfloat16 pairs or int8 quads).
