@@ -190,6 +190,44 @@ def test_the_kernel_profile_sorts_perf_samples_into_kernels():
     assert module.decode_kv_bytes(Model(), "bfloat16", 3, 4, 4) == 3 * (5 + 6 + 7) * 64
 
 
+def test_the_decode_step_anatomy_names_each_custom_call_by_its_place_in_the_layer(tmp_path):
+    """benchmarks/decode_step_anatomy.py: a step's custom calls, in time order, are the layers' six (qkv, page
+    write, attention, o_proj, gate_up, down_proj) and then the LM head; other modules' events and the step's
+    XLA fusions are left out; a step with any other number of custom calls stops the script."""
+    import gzip
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("decode_step_anatomy",
+                                                  REPO_ROOT / "benchmarks" / "decode_step_anatomy.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def step(run_id, start, durations, module_name="jit__batch_step"):
+        events, ts = [], start
+        for i, dur in enumerate(durations):
+            events.append({"ph": "X", "ts": ts, "dur": dur, "name": f"ffi_call.{run_id}{i}",
+                           "args": {"hlo_module": module_name, "run_id": run_id}})
+            events.append({"ph": "X", "ts": ts + dur, "dur": 1.0, "name": "add_fusion",
+                           "args": {"hlo_module": module_name, "run_id": run_id}})
+            ts += dur + 1.0
+        return events
+
+    two_layers = [10.0, 1.0, 50.0, 5.0, 20.0, 8.0] * 2 + [300.0]
+    events = step("7", 0.0, two_layers) + step("8", 1000.0, [x * 2 for x in two_layers])
+    events += step("9", 500.0, [1.0] * 3, module_name="jit_write_rows")  # another executable: left out
+    trace = tmp_path / "t.trace.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    spans, calls = module.step_calls(trace, num_layers=2)
+    assert spans == pytest.approx([(sum(two_layers) + 13) / 1e3, (2 * sum(two_layers) + 13) / 1e3])
+    assert calls["attention"] == [50.0, 50.0, 100.0, 100.0]
+    assert calls["write pages"] == [1.0, 1.0, 2.0, 2.0] and calls["lm_head"] == [300.0, 600.0]
+    assert list(calls) == [*module.LAYER_CALLS, "lm_head"]
+    with pytest.raises(SystemExit, match="made 13 custom calls"):
+        module.step_calls(trace, num_layers=3)
+
+
 # -- metrics -------------------------------------------------------------------------------------
 
 
