@@ -46,6 +46,12 @@ inline void ConfigureTiles(int rows = kAmxRows) {
   _tile_loadconfig(&config);
 }
 
+// GCC 12's tile intrinsics are asm statements without memory operands: the compiler is not told that a tile
+// load reads memory or that a tile store writes it. A kernel puts this barrier between its own stores to a
+// buffer and the tile loads of it, and between tile stores and its own reads of what they wrote, so that
+// the compiler neither moves nor drops those accesses. It emits no instruction.
+inline void TileMemoryBarrier() { __asm__ volatile("" : : : "memory"); }
+
 // A prefetch of the cache line at p into L1 (prefetcht0) or L2 (prefetcht2), written as an asm statement
 // the compiler must keep: GCC 12 silently dropped `__builtin_prefetch` calls from the functions that issue
 // tile instructions (the built AmxPair and AmxBlock had lost their prefetch of the next panel).

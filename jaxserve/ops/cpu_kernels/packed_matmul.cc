@@ -549,6 +549,7 @@ inline void StoreTiles(void* c, int64_t stride) {
   _tile_stored(0, c, stride * 4);
   _tile_stored(1, static_cast<char*>(c) + 64, stride * 4);
   _tile_stored(2, static_cast<char*>(c) + 128, stride * 4);
+  jaxserve::TileMemoryBarrier();  // c is read as memory after this
 }
 
 // c[rows, kPanelWidth] (row stride `stride` floats) = rows row..row + rows - 1 of x . `panel` (the
@@ -608,6 +609,7 @@ void AmxPair(const Problem<Bf16Pairs>& p, int64_t row, int64_t panel, float* c, 
   _tile_stored(3, c + kAmxRows * stride, stride * 4);
   _tile_stored(4, c + kAmxRows * stride + 16, stride * 4);
   _tile_stored(5, c + kAmxRows * stride + 32, stride * 4);
+  jaxserve::TileMemoryBarrier();
 }
 
 // int8: group by group, each group's int32 sums stored and scaled into c by the rows' group scales.
@@ -645,6 +647,7 @@ void AmxBlock(const Problem<U8Quads>& p, int64_t row, int64_t panel, float* c, i
 template <bool kGated, typename T>
 int64_t AmxRows(const Problem<T>& p, int64_t first_panel, int64_t count, int64_t next) {
   if (!UseAmx(p)) return 0;
+  jaxserve::TileMemoryBarrier();  // x and the panels are read by the tile loads below
   constexpr int64_t kMaxPass = kAmxPassRows<T>;
   alignas(64) float gate[kMaxPass * kPanelWidth], up[kMaxPass * kPanelWidth];
   const int64_t done = p.m % kAmxRows >= kMinAmxRows<T> ? p.m : p.m / kAmxRows * kAmxRows;

@@ -761,6 +761,7 @@ struct TileBf16 {
     static_assert(kTileLanes == 48 && kHalfD % jaxserve::kAmxRows == 0, "three lane tiles, whole tiles of D");
     constexpr int64_t kStride = kTileLanes * sizeof(float);
     jaxserve::ConfigureTiles();
+    jaxserve::TileMemoryBarrier();  // keys and queries, written by the caller, are read by tile loads
     for (int64_t i0 = 0; i0 < padded; i0 += jaxserve::kAmxRows) {
       _tile_zero(0);
       _tile_zero(1);
@@ -778,6 +779,7 @@ struct TileBf16 {
       _tile_stored(1, scores + i0 * kTileLanes + 16, kStride);
       _tile_stored(2, scores + i0 * kTileLanes + 32, kStride);
     }
+    jaxserve::TileMemoryBarrier();  // the caller reads the scores
     _tile_release();
   }
 
@@ -836,6 +838,7 @@ struct TileBf16 {
     const int64_t lanes = job.tokens * p.group;
     const float* inv_sums = scratch.tile_inv_sums.data();
     jaxserve::ConfigureTiles();
+    jaxserve::TileMemoryBarrier();  // the weight and value pairs written above are read by tile loads
     for (int64_t lane0 = 0; lane0 < lanes; lane0 += kTile) {
       for (int64_t d0 = 0; d0 < D; d0 += 4 * kTile) {  // D is a multiple of 32: 2 or 4 tiles a pass
         const bool four = d0 + 4 * kTile <= D;
@@ -864,6 +867,7 @@ struct TileBf16 {
           _tile_stored(3, out_tile + d0 + 48, D * sizeof(float));
         }
       }
+      jaxserve::TileMemoryBarrier();  // out_tile is read below
       for (int64_t r = 0; r < kTile && lane0 + r < lanes; ++r) {
         const int64_t lane = lane0 + r;
         float* out = p.out + (job.first_row + lane / p.group) * p.num_heads * D + (job.kv_head * p.group + lane % p.group) * D;
