@@ -331,8 +331,13 @@ class Leader:
 
     def _handshake(self, conn: socket.socket, peer: str) -> None:
         leader_nonce = os.urandom(wire.NONCE_BYTES)
-        conn.sendall(wire.frame(wire.CHALLENGE, leader_nonce))
-        message = wire.recv_frame(conn, {wire.HELLO: wire.MAX_HELLO_BYTES})
+        try:
+            conn.sendall(wire.frame(wire.CHALLENGE, leader_nonce))
+            message = wire.recv_frame(conn, {wire.HELLO: wire.MAX_HELLO_BYTES})
+        except (ConnectionResetError, BrokenPipeError):
+            # A peer that closes with the challenge unread in its socket resets the connection rather than
+            # closing it (which of the two depends on whether the challenge reached it first): the same event.
+            message = None
         if message is None:
             raise ChannelError("it closed before the handshake")
         body = bytes(message[1])
