@@ -757,12 +757,52 @@ struct TileBf16 {
 #if JAXSERVE_AMX
   // The scores on AMX tiles: keys [padded, D / 2] pairs are the A operand, 16 keys a tile; the queries
   // [D / 2, kTileLanes] pairs the B operand, three tiles of 16 lanes; scores [padded, kTileLanes] float32.
+  // Two tiles of keys at a time in six accumulators (the matmul's AmxPair pattern: tile 6 takes the keys,
+  // tile 7 the queries, in turn): with D = 64 an accumulator takes only two tdpbf16ps before it is stored,
+  // and six independent ones keep more of them in flight; the sums are the same. What bounds this loop is
+  // the tile stores of the scores (48 lanes x 4 bytes a key, past L1 for long contexts).
   static void AmxScores(const uint32_t* keys, const uint32_t* queries, int64_t padded, float* scores) {
     static_assert(kTileLanes == 48 && kHalfD % jaxserve::kAmxRows == 0, "three lane tiles, whole tiles of D");
-    constexpr int64_t kStride = kTileLanes * sizeof(float);
+    constexpr int64_t kStride = kTileLanes * sizeof(float), kKeyStride = kHalfD * sizeof(uint32_t);
+    constexpr int64_t kRows = jaxserve::kAmxRows;
     jaxserve::ConfigureTiles();
     jaxserve::TileMemoryBarrier();  // keys and queries, written by the caller, are read by tile loads
-    for (int64_t i0 = 0; i0 < padded; i0 += jaxserve::kAmxRows) {
+    int64_t i0 = 0;
+    for (; i0 + 2 * kRows <= padded; i0 += 2 * kRows) {
+      const uint32_t* k0 = keys + i0 * kHalfD;
+      const uint32_t* k1 = k0 + kRows * kHalfD;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      _tile_zero(4);
+      _tile_zero(5);
+      for (int64_t e = 0; e < kHalfD; e += kRows) {
+        const uint32_t* qe = queries + e * kTileLanes;
+        _tile_loadd(6, k0 + e, kKeyStride);
+        _tile_loadd(7, qe, kStride);
+        _tile_dpbf16ps(0, 6, 7);
+        _tile_loadd(6, k1 + e, kKeyStride);
+        _tile_dpbf16ps(3, 6, 7);
+        _tile_loadd(7, qe + 16, kStride);
+        _tile_dpbf16ps(4, 6, 7);
+        _tile_loadd(6, k0 + e, kKeyStride);
+        _tile_dpbf16ps(1, 6, 7);
+        _tile_loadd(7, qe + 32, kStride);
+        _tile_dpbf16ps(2, 6, 7);
+        _tile_loadd(6, k1 + e, kKeyStride);
+        _tile_dpbf16ps(5, 6, 7);
+      }
+      float* s0 = scores + i0 * kTileLanes;
+      float* s1 = s0 + kRows * kTileLanes;
+      _tile_stored(0, s0, kStride);
+      _tile_stored(1, s0 + 16, kStride);
+      _tile_stored(2, s0 + 32, kStride);
+      _tile_stored(3, s1, kStride);
+      _tile_stored(4, s1 + 16, kStride);
+      _tile_stored(5, s1 + 32, kStride);
+    }
+    for (; i0 < padded; i0 += kRows) {
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
@@ -974,6 +1014,16 @@ void AttendTile(const Problem<Page>& p, const TileJob& job, Scratch& scratch) {
       starts[v][l] = static_cast<int32_t>(start_of(kv_len) - lo);
     }
   }
+  // Keys [open_lo, open_hi) are in every lane's range (a causal tile's keys before its first token, all
+  // of them but the last few): they skip the mask, and their exp the test for a masked key.
+  int64_t open_lo = 0, open_hi = count;
+  for (int v = 0; v < kTileVectors; ++v) {
+    for (int l = 0; l < kLanes; ++l) {
+      open_lo = std::max<int64_t>(open_lo, starts[v][l]);
+      open_hi = std::min<int64_t>(open_hi, ends[v][l]);
+    }
+  }
+  open_hi = std::max(open_hi, open_lo);
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   Vec max[kTileVectors];
   for (int v = 0; v < kTileVectors; ++v) max[v] = Vec{} + kNegInf;
@@ -983,23 +1033,40 @@ void AttendTile(const Problem<Page>& p, const TileJob& job, Scratch& scratch) {
       for (int64_t lane = 0; lane < kTileLanes; ++lane) row[lane] = p.soft_cap * std::tanh(row[lane] / p.soft_cap);
     }
     const int32_t key = static_cast<int32_t>(i);
+    const bool open = open_lo <= i && i < open_hi;
     for (int v = 0; v < kTileVectors; ++v) {
       Vec s = Load(row + v * kLanes);
-      s = (key < ends[v]) & (key >= starts[v]) ? s : Vec{} + kNegInf;
-      Store(row + v * kLanes, s);
+      if (!open) {
+        s = (key < ends[v]) & (key >= starts[v]) ? s : Vec{} + kNegInf;
+        Store(row + v * kLanes, s);
+      }
       max[v] = s > max[v] ? s : max[v];
     }
   }
+  // The numerators: rounded to bfloat16 before they weight the values where the products are bfloat16's,
+  // so there exp needs only ExpNonPositiveForRounding's precision.
   Vec sum[kTileVectors] = {};
-  for (int64_t i = 0; i < count; ++i) {
-    float* row = scores.data() + i * kTileLanes;
-    for (int v = 0; v < kTileVectors; ++v) {
-      const Vec s = Load(row + v * kLanes);
-      const Vec e = s == kNegInf ? Vec{} : ExpNonPositive(s - max[v]);
-      Store(row + v * kLanes, e);
-      sum[v] += e;
+  const auto exponentiate = [&](auto exp) {
+    for (int64_t i = 0; i < count; ++i) {
+      float* row = scores.data() + i * kTileLanes;
+      const bool open = open_lo <= i && i < open_hi;
+      for (int v = 0; v < kTileVectors; ++v) {
+        const Vec s = Load(row + v * kLanes);
+        const Vec e = open ? exp(s - max[v]) : s == kNegInf ? Vec{} : exp(s - max[v]);
+        Store(row + v * kLanes, e);
+        sum[v] += e;
+      }
     }
+  };
+#ifdef __AVX512F__
+  if (kBf16Products && p.bf16_products) {
+    exponentiate([](Vec x) { return jaxserve::ExpNonPositiveForRounding(x); });
+  } else {
+    exponentiate([](Vec x) { return ExpNonPositive(x); });
   }
+#else
+  exponentiate([](Vec x) { return ExpNonPositive(x); });
+#endif
   auto& inv_sums = scratch.tile_inv_sums;
   inv_sums.resize(kTileLanes);
   for (int v = 0; v < kTileVectors; ++v)

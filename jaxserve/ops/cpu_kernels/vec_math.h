@@ -76,6 +76,23 @@ inline Vec ExpNonPositive(Vec x) {
   return poly * two_n;
 }
 
+#ifdef __AVX512F__
+// exp(x) for x <= 0 to a relative error of about 3e-6, in half ExpNonPositive's instructions, for softmax
+// weights that are rounded to bfloat16 next (whose rounding is a thousand times coarser): x / ln2 = n + f with
+// f in [-1/2, 1/2], 2^f by a degree-4 polynomial fitted for relative error, 2^n applied by vscalefps (which
+// also takes n past float32's exponent range to 0 or a subnormal). x must not be -inf (f would be NaN).
+inline Vec ExpNonPositiveForRounding(Vec x) {
+  const __m512 t = (__m512)(x * 1.44269504088896341f);
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const Vec f = (Vec)_mm512_sub_ps(t, n);
+  Vec poly = 9.58279613405466e-3f * f + 5.590630695223808e-2f;
+  poly = poly * f + 2.4024099111557007e-1f;
+  poly = poly * f + 6.931242346763611e-1f;
+  poly = poly * f + 1.0f;
+  return (Vec)_mm512_scalef_ps((__m512)poly, n);
+}
+#endif
+
 // silu(x) = x * sigmoid(x), lane by lane, from exp(-|x|) (ExpNonPositive): x / (1 + e) where x >= 0,
 // x e / (1 + e) below, so no lane overflows.
 inline Vec Silu(Vec x) {
