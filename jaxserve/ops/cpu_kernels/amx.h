@@ -55,6 +55,56 @@ inline void TileMemoryBarrier() { __asm__ volatile("" : : : "memory"); }
 // A prefetch of the cache line at p into L1 (prefetcht0) or L2 (prefetcht2), written as an asm statement
 // the compiler must keep: GCC 12 silently dropped `__builtin_prefetch` calls from the functions that issue
 // tile instructions (the built AmxPair and AmxBlock had lost their prefetch of the next panel).
+// The six-accumulator pattern of the bfloat16 kernels (the matmul's AmxPair, the attention's AmxScores): two
+// 16-row blocks of the A operand (a0, a1: tiles 0-2 and 3-5 accumulate them) against three B tiles side by side
+// (b, b + 64 bytes, b + 128 bytes), A and B loaded in turn into tiles 6 and 7, so each B tile is loaded once for
+// 32 rows. ZeroPair, then PairStep per 32 k (a0, a1 and b advanced by the caller), then StorePair.
+inline void ZeroPair() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_zero(4);
+  _tile_zero(5);
+}
+
+// kStreamB: B's tiles loaded with the streaming hint (tileloaddt1), for B that passes through once.
+template <bool kStreamB>
+inline void PairStep(const void* a0, const void* a1, int64_t a_stride, const void* b, int64_t b_stride) {
+  const char* bytes = static_cast<const char*>(b);
+  const auto load_b = [&](int offset) {
+    if constexpr (kStreamB) {
+      _tile_stream_loadd(7, bytes + offset, b_stride);
+    } else {
+      _tile_loadd(7, bytes + offset, b_stride);
+    }
+  };
+  _tile_loadd(6, a0, a_stride);
+  load_b(0);
+  _tile_dpbf16ps(0, 6, 7);
+  _tile_loadd(6, a1, a_stride);
+  _tile_dpbf16ps(3, 6, 7);
+  load_b(64);
+  _tile_dpbf16ps(4, 6, 7);
+  _tile_loadd(6, a0, a_stride);
+  _tile_dpbf16ps(1, 6, 7);
+  load_b(128);
+  _tile_dpbf16ps(2, 6, 7);
+  _tile_loadd(6, a1, a_stride);
+  _tile_dpbf16ps(5, 6, 7);
+}
+
+// The six accumulators to c0 (a0's rows) and c1 (a1's), three 64-byte tiles side by side in each.
+inline void StorePair(void* c0, void* c1, int64_t stride) {
+  _tile_stored(0, c0, stride);
+  _tile_stored(1, static_cast<char*>(c0) + 64, stride);
+  _tile_stored(2, static_cast<char*>(c0) + 128, stride);
+  _tile_stored(3, c1, stride);
+  _tile_stored(4, static_cast<char*>(c1) + 64, stride);
+  _tile_stored(5, static_cast<char*>(c1) + 128, stride);
+  TileMemoryBarrier();  // c0 and c1 are read as memory after this
+}
+
 inline void PrefetchL1(const void* p) { __asm__ volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p))); }
 inline void PrefetchL2(const void* p) { __asm__ volatile("prefetcht2 %0" : : "m"(*static_cast<const char*>(p))); }
 #endif

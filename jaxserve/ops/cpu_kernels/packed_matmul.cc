@@ -584,34 +584,12 @@ void AmxPair(const Problem<Bf16Pairs>& p, int64_t row, int64_t panel, float* c, 
   const uint32_t* x1 = x0 + kAmxRows * p.steps;
   const uint32_t* w = p.panel(panel);
   const int64_t x_stride = p.steps * sizeof(uint32_t), w_stride = kPanelWidth * sizeof(uint32_t);
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  _tile_zero(4);
-  _tile_zero(5);
+  jaxserve::ZeroPair();
   for (int64_t k = 0; k < p.steps; k += kAmxRows) {
     PrefetchTileRows(prefetch, k);
-    const uint32_t* wk = w + k * kPanelWidth;
-    _tile_loadd(6, x0 + k, x_stride);
-    _tile_stream_loadd(7, wk, w_stride);
-    _tile_dpbf16ps(0, 6, 7);
-    _tile_loadd(6, x1 + k, x_stride);
-    _tile_dpbf16ps(3, 6, 7);
-    _tile_stream_loadd(7, wk + 16, w_stride);
-    _tile_dpbf16ps(4, 6, 7);
-    _tile_loadd(6, x0 + k, x_stride);
-    _tile_dpbf16ps(1, 6, 7);
-    _tile_stream_loadd(7, wk + 32, w_stride);
-    _tile_dpbf16ps(2, 6, 7);
-    _tile_loadd(6, x1 + k, x_stride);
-    _tile_dpbf16ps(5, 6, 7);
+    jaxserve::PairStep<true>(x0 + k, x1 + k, x_stride, w + k * kPanelWidth, w_stride);
   }
-  StoreTiles(c, stride);
-  _tile_stored(3, c + kAmxRows * stride, stride * 4);
-  _tile_stored(4, c + kAmxRows * stride + 16, stride * 4);
-  _tile_stored(5, c + kAmxRows * stride + 32, stride * 4);
-  jaxserve::TileMemoryBarrier();
+  jaxserve::StorePair(c, c + kAmxRows * stride, stride * sizeof(float));
 }
 
 // int8: group by group, each group's int32 sums stored and scaled into c by the rows' group scales.

@@ -771,36 +771,12 @@ struct TileBf16 {
     for (; i0 + 2 * kRows <= padded; i0 += 2 * kRows) {
       const uint32_t* k0 = keys + i0 * kHalfD;
       const uint32_t* k1 = k0 + kRows * kHalfD;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      _tile_zero(4);
-      _tile_zero(5);
+      jaxserve::ZeroPair();
       for (int64_t e = 0; e < kHalfD; e += kRows) {
-        const uint32_t* qe = queries + e * kTileLanes;
-        _tile_loadd(6, k0 + e, kKeyStride);
-        _tile_loadd(7, qe, kStride);
-        _tile_dpbf16ps(0, 6, 7);
-        _tile_loadd(6, k1 + e, kKeyStride);
-        _tile_dpbf16ps(3, 6, 7);
-        _tile_loadd(7, qe + 16, kStride);
-        _tile_dpbf16ps(4, 6, 7);
-        _tile_loadd(6, k0 + e, kKeyStride);
-        _tile_dpbf16ps(1, 6, 7);
-        _tile_loadd(7, qe + 32, kStride);
-        _tile_dpbf16ps(2, 6, 7);
-        _tile_loadd(6, k1 + e, kKeyStride);
-        _tile_dpbf16ps(5, 6, 7);
+        jaxserve::PairStep<false>(k0 + e, k1 + e, kKeyStride, queries + e * kTileLanes, kStride);
       }
       float* s0 = scores + i0 * kTileLanes;
-      float* s1 = s0 + kRows * kTileLanes;
-      _tile_stored(0, s0, kStride);
-      _tile_stored(1, s0 + 16, kStride);
-      _tile_stored(2, s0 + 32, kStride);
-      _tile_stored(3, s1, kStride);
-      _tile_stored(4, s1 + 16, kStride);
-      _tile_stored(5, s1 + 32, kStride);
+      jaxserve::StorePair(s0, s0 + kRows * kTileLanes, kStride);
     }
     for (; i0 < padded; i0 += kRows) {
       _tile_zero(0);
