@@ -83,13 +83,15 @@ inline Vec ExpNonPositive(Vec x) {
 // also takes n past float32's exponent range to 0 or a subnormal). x must not be -inf (f would be NaN).
 inline Vec ExpNonPositiveForRounding(Vec x) {
   const __m512 t = (__m512)(x * 1.44269504088896341f);
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // The zero-masked forms with every lane kept: the plain intrinsics' undefined pass-through operand draws
+  // GCC 12's -Wmaybe-uninitialized, which the build would print to every user.
+  const __m512 n = _mm512_maskz_roundscale_ps(0xffff, t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const Vec f = (Vec)_mm512_sub_ps(t, n);
   Vec poly = 9.58279613405466e-3f * f + 5.590630695223808e-2f;
   poly = poly * f + 2.4024099111557007e-1f;
   poly = poly * f + 6.931242346763611e-1f;
   poly = poly * f + 1.0f;
-  return (Vec)_mm512_scalef_ps((__m512)poly, n);
+  return (Vec)_mm512_maskz_scalef_ps(0xffff, (__m512)poly, n);
 }
 #endif
 
