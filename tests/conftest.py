@@ -128,7 +128,8 @@ def default_llm():
 @pytest.fixture(params=["amx", "vector"])
 def matmul_path(request):
     """The C++ bfloat16 and int8 matmuls on AMX tiles (bfloat16: every row; int8: whole blocks of 16 rows; on
-    a CPU with AMX, skipped elsewhere) and on the vector code alone."""
+    a CPU with AMX, skipped elsewhere) and on the vector code alone; the bfloat16 decode rows' attention
+    scores likewise (paged_row_attention.cc's AttendRowTiles)."""
     from jaxserve.ops import cpu_ffi
 
     if request.param == "amx" and not cpu_ffi.amx_available():

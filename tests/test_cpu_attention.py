@@ -199,12 +199,12 @@ def rounded_decode_reference(q, k_pages, v_pages, md, num_rows, scale, window, s
 
 @pytest.mark.parametrize("head_dim,page_size,group,window,soft_cap", CASES[:4])
 def test_bf16_products_attend_decode_rows_on_bfloat16_pages_as_they_lie(head_dim, page_size, group, window,
-                                                                        soft_cap):
+                                                                        soft_cap, matmul_path):
     """cpu-bf16 over bfloat16 pages: a decode row multiplies the pages' own bfloat16 keys and values by its
-    query and its softmax weights rounded to bfloat16 (vdpbf16ps, float32 sums), so it agrees with a
-    reference that rounds the same operands far more closely than rounding moves the result, and differs
-    from backend "cpu" (float32 queries and weights) on the same pages. Without the instruction the flag
-    changes nothing."""
+    query and its softmax weights rounded to bfloat16 (vdpbf16ps, or the scores on AMX tiles; float32 sums),
+    so it agrees with a reference that rounds the same operands far more closely than rounding moves the
+    result, and differs from backend "cpu" (float32 queries and weights) on the same pages. Without the
+    instruction the flag changes nothing."""
     q, k, v, md, real_tokens = build_case(decode_lengths(page_size), page_size=page_size, head_dim=head_dim,
                                           group=group, dtype="float32", seed=8)
     k16, v16 = to_page_dtype(k, "bfloat16"), to_page_dtype(v, "bfloat16")

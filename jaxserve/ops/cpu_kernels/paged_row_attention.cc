@@ -392,8 +392,12 @@ inline int64_t PairLaneDim(int64_t e) {
 // and each head's two weights rounded to a bfloat16 pair, one vdpbf16ps adding 32 products; the
 // accumulators then hold d in InterleavePairs' order (PairLaneDim), undone once by the caller. A page's
 // odd last key pairs with itself at weight 0.
-template <typename Page, int DV, int G, bool kPairs>
-void GroupedValues(const Problem<Page>& p, const RowKeys<Page>& keys, int64_t padded, Scratch& scratch) {
+//
+// The weights: head h's at key i in scores [h, padded] (kPairs: pair_of(h, i, two) gives the rounded pair of
+// keys i and i + 1, the second weighted 0 where `two` is false; see AttendGrouped and AttendRowTiles).
+template <typename Page, int DV, int G, bool kPairs, typename PairOf>
+void GroupedValues(const Problem<Page>& p, const RowKeys<Page>& keys, int64_t padded, Scratch& scratch,
+                   PairOf&& pair_of) {
   constexpr int64_t D = DV * kLanes;
   const int64_t kv_heads = p.num_heads / G, stride = p.token_stride, page_bytes = p.page_size * stride * sizeof(Page);
   const float* scores = scratch.scores.data();
@@ -417,8 +421,7 @@ void GroupedValues(const Problem<Page>& p, const RowKeys<Page>& keys, int64_t pa
             InterleavePairs(value + 32 * c, (two ? value + stride : value) + 32 * c, val[2 * c], val[2 * c + 1]);
           }
           for (int j = 0; j < G; ++j) {
-            const float* w = head_weights + j * padded + i;
-            const uint32_t pair = Pair(w[0], two ? w[1] : 0.0f);
+            const uint32_t pair = pair_of(kv_head * G + j, i, two);
             for (int v = 0; v < DV; ++v) acc[j][v] = DotPairs(acc[j][v], pair, val[v]);
           }
         }
@@ -439,9 +442,126 @@ void GroupedValues(const Problem<Page>& p, const RowKeys<Page>& keys, int64_t pa
   });
 }
 
+#if JAXSERVE_AMX
+// A decode row on the tile unit (bfloat16 pages and products on AMX): every query head's scores in one
+// pass over the keys, as a matrix product. A chunk of 16 keys as it lies in its page ([16, KVH * D]
+// bfloat16 at the token stride) is the A operand, 32 elements of each key at a time (slice s: the key's
+// elements 32 s .. 32 s + 31, of KV head 32 s / D); the queries are the B operands, a tile per slice:
+// B_s[r, h] the pair of q_h's elements 2 r, 2 r + 1 of slice s, scaled, for the G heads of that slice's KV
+// head, zero for the others. So C[key, h] = q_h . key, summed over the slices, for all heads at once,
+// without touching a key outside the tile unit: scores [keys, 16], head h in lane h. The softmax takes
+// every head in one vector a key, and leaves the weights as bfloat16 pairs [keys / 2, 16] for the values
+// pass (GroupedValues), whose vdpbf16ps broadcast them. Needs at most 16 heads, D a multiple of 32 and
+// pages of a multiple of 16 tokens (RowTilesFit); other shapes stay on GroupedScores' vector code.
+constexpr int64_t kRowChunk = 16;  // keys a tile of scores; heads a tile's lanes
+
+inline bool RowTilesFit(const Problem<Bf16>& p) {
+  return p.num_heads <= kRowChunk && p.head_dim % 32 == 0 && p.page_size % kRowChunk == 0;
+}
+
+// The B tiles [slices, 16 pairs, 16 heads] of a row's queries (scaled, rounded to bfloat16 pairs).
+inline void RowQueryTiles(const Problem<Bf16>& p, const float* q_rows, uint32_t* tiles) {
+  const int64_t D = p.head_dim, slices = p.token_stride / 32;
+  std::fill(tiles, tiles + slices * kRowChunk * kRowChunk, 0u);
+  for (int64_t h = 0; h < p.num_heads; ++h) {
+    const float* q = q_rows + h * D;
+    uint32_t* head_slices = tiles + (h / p.group) * (D / 32) * kRowChunk * kRowChunk + h;
+    for (int64_t e = 0; e < D / 2; ++e) head_slices[e * kRowChunk] = Pair(q[2 * e] * p.scale, q[2 * e + 1] * p.scale);
+  }
+}
+
+// scores [rows, 16] of the keys from `base` (a multiple of 16; rows a multiple of 32), two chunks at a
+// time in two accumulator tiles (0, 1) so that neither waits on the other's products; past the row's last
+// chunk (an odd count) the first of the pair is multiplied again into the scores' tail. Keys in a chunk
+// past kv_len are scored as whatever the page holds there and never read after. No software prefetch:
+// the next chunks' lines into L2 measured no faster in a decode step and slower with the pages in cache.
+inline void RowTileScores(const Problem<Bf16>& p, const RowKeys<Bf16>& keys, int64_t base, int64_t rows,
+                          const uint32_t* query_tiles, float* scores) {
+  const int64_t stride_bytes = p.token_stride * sizeof(Bf16), slices = p.token_stride / 32;
+  const auto chunk_at = [&](int64_t pos) {
+    return p.k + (keys.PageOf(pos) * p.page_size + pos % p.page_size) * p.token_stride;
+  };
+  jaxserve::ConfigureTiles();
+  jaxserve::TileMemoryBarrier();  // the query tiles, written by the caller, are read by tile loads
+  for (int64_t i0 = 0; i0 < rows; i0 += 2 * kRowChunk) {
+    const Bf16* c0 = chunk_at(base + i0);
+    const Bf16* c1 = base + i0 + kRowChunk < keys.kv_len ? chunk_at(base + i0 + kRowChunk) : c0;
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t s = 0; s < slices; ++s) {
+      _tile_loadd(4, query_tiles + s * kRowChunk * kRowChunk, kRowChunk * sizeof(uint32_t));
+      _tile_loadd(2, c0 + 32 * s, stride_bytes);
+      _tile_dpbf16ps(0, 2, 4);
+      _tile_loadd(3, c1 + 32 * s, stride_bytes);
+      _tile_dpbf16ps(1, 3, 4);
+    }
+    _tile_stored(0, scores + i0 * kRowChunk, kRowChunk * sizeof(float));
+    _tile_stored(1, scores + (i0 + kRowChunk) * kRowChunk, kRowChunk * sizeof(float));
+  }
+  jaxserve::TileMemoryBarrier();  // the caller reads the scores
+  _tile_release();
+}
+
+template <int DV, int G>
+void AttendRowTiles(const Problem<Bf16>& p, const RowKeys<Bf16>& keys, float* out_rows, const float* q_rows,
+                    Scratch& scratch) {
+  constexpr int64_t D = DV * kLanes;
+  const int64_t heads = p.num_heads, base = keys.start / kRowChunk * kRowChunk;
+  const int64_t lo = keys.start - base, hi = keys.kv_len - base;  // the row's keys in the scores
+  const int64_t rows = (hi + 2 * kRowChunk - 1) / (2 * kRowChunk) * (2 * kRowChunk);
+  scratch.query_pairs.resize(p.token_stride / 32 * kRowChunk * kRowChunk);
+  RowQueryTiles(p, q_rows, scratch.query_pairs.data());
+  auto& scores = scratch.scores;  // [rows, 16]
+  scores.resize(rows * kRowChunk);
+  RowTileScores(p, keys, base, rows, scratch.query_pairs.data(), scores.data());
+  float* s = scores.data();
+  if (p.soft_cap > 0.0f) {
+    for (int64_t e = lo * kRowChunk; e < hi * kRowChunk; ++e) s[e] = p.soft_cap * std::tanh(s[e] / p.soft_cap);
+  }
+  Vec max = Vec{} - std::numeric_limits<float>::max(), sum{};
+  for (int64_t i = lo; i < hi; ++i) {
+    const Vec x = Load(s + i * kRowChunk);
+    max = x > max ? x : max;
+  }
+  for (int64_t i = lo; i < hi; ++i) {
+    const Vec e = ExpNonPositive(Load(s + i * kRowChunk) - max);
+    Store(s + i * kRowChunk, e);
+    sum += e;
+  }
+  // The weights as pairs of keys [rows / 2, 16] from the pair of lo; zero outside [lo, hi).
+  const int64_t first_pair = lo / 2, end_pair = (hi + 1) / 2;
+  for (int64_t i = 2 * first_pair; i < lo; ++i) Store(s + i * kRowChunk, Vec{});
+  if (hi % 2) Store(s + hi * kRowChunk, Vec{});
+  auto& pairs = scratch.weight_pairs;
+  pairs.resize(rows / 2 * kRowChunk);
+  for (int64_t m = first_pair; m < end_pair; ++m) {
+    StorePairs(pairs.data() + m * kRowChunk, Pairs(Load(s + 2 * m * kRowChunk), Load(s + (2 * m + 1) * kRowChunk)));
+  }
+  scratch.acc.assign(heads * D, 0.0f);
+  const RowKeys<Bf16> value_keys{p, keys.table, base + 2 * first_pair, keys.kv_len};
+  const uint32_t* weight_pairs = pairs.data() + first_pair * kRowChunk;
+  GroupedValues<Bf16, DV, G, true>(p, value_keys, 0, scratch, [weight_pairs](int64_t head, int64_t i, bool) {
+    return weight_pairs[i / 2 * kRowChunk + head];
+  });
+  for (int64_t h = 0; h < heads; ++h) {
+    const float inv = sum[h] > 0.0f ? 1.0f / sum[h] : 0.0f;
+    const float* acc = scratch.acc.data() + h * D;
+    for (int64_t e = 0; e < D; ++e) out_rows[h * D + PairLaneDim(e)] = acc[e] * inv;
+  }
+}
+#endif
+
 template <typename Page, int DV, int G>
 void AttendGrouped(const Problem<Page>& p, const RowKeys<Page>& keys, float* out_rows, const float* q_rows,
                    Scratch& scratch) {
+#if JAXSERVE_AMX
+  if constexpr (kPairScores<Page>) {
+    if (p.bf16_products && RowTilesFit(p) && JaxserveAmxInUse()) {
+      AttendRowTiles<DV, G>(p, keys, out_rows, q_rows, scratch);
+      return;
+    }
+  }
+#endif
   constexpr int64_t D = DV * kLanes;
   const int64_t kv_heads = p.num_heads / G;
   const int64_t count = keys.kv_len - keys.start, padded = (count + kLanes - 1) / kLanes * kLanes;
@@ -484,10 +604,14 @@ void AttendGrouped(const Problem<Page>& p, const RowKeys<Page>& keys, float* out
   }
   auto& acc_rows = scratch.acc;  // [KVH * G, D], summed page by page
   acc_rows.assign(kv_heads * G * D, 0.0f);
+  const auto pair_of = [&scores, padded](int64_t head, int64_t i, bool two) {
+    const float* w = scores.data() + head * padded + i;
+    return Pair(w[0], two ? w[1] : 0.0f);
+  };
   if (pairs) {
-    GroupedValues<Page, DV, G, kPairScores<Page>>(p, keys, padded, scratch);
+    GroupedValues<Page, DV, G, kPairScores<Page>>(p, keys, padded, scratch, pair_of);
   } else {
-    GroupedValues<Page, DV, G, false>(p, keys, padded, scratch);
+    GroupedValues<Page, DV, G, false>(p, keys, padded, scratch, pair_of);
   }
   for (int64_t h = 0; h < kv_heads * G; ++h) {
     const float* acc = acc_rows.data() + h * D;
