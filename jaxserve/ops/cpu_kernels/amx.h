@@ -52,9 +52,6 @@ inline void ConfigureTiles(int rows = kAmxRows) {
 // the compiler neither moves nor drops those accesses. It emits no instruction.
 inline void TileMemoryBarrier() { __asm__ volatile("" : : : "memory"); }
 
-// A prefetch of the cache line at p into L1 (prefetcht0) or L2 (prefetcht2), written as an asm statement
-// the compiler must keep: GCC 12 silently dropped `__builtin_prefetch` calls from the functions that issue
-// tile instructions (the built AmxPair and AmxBlock had lost their prefetch of the next panel).
 // The six-accumulator pattern of the bfloat16 kernels (the matmul's AmxPair, the attention's AmxScores): two
 // 16-row blocks of the A operand (a0, a1: tiles 0-2 and 3-5 accumulate them) against three B tiles side by side
 // (b, b + 64 bytes, b + 128 bytes), A and B loaded in turn into tiles 6 and 7, so each B tile is loaded once for
@@ -105,6 +102,9 @@ inline void StorePair(void* c0, void* c1, int64_t stride) {
   TileMemoryBarrier();  // c0 and c1 are read as memory after this
 }
 
+// A prefetch of the cache line at p into L1 (prefetcht0) or L2 (prefetcht2), written as an asm statement
+// the compiler must keep: GCC 12 silently dropped `__builtin_prefetch` calls from the functions that issue
+// tile instructions (the built AmxPair and AmxBlock had lost their prefetch of the next panel).
 inline void PrefetchL1(const void* p) { __asm__ volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p))); }
 inline void PrefetchL2(const void* p) { __asm__ volatile("prefetcht2 %0" : : "m"(*static_cast<const char*>(p))); }
 #endif

@@ -1158,15 +1158,11 @@ void AttendTile(const Problem<Page>& p, const TileJob& job, Scratch& scratch) {
       }
     }
   };
-#ifdef __AVX512F__
   if (kBf16Products && p.bf16_products) {
     exponentiate([](Vec x) { return jaxserve::ExpNonPositiveForRounding(x); });
   } else {
     exponentiate([](Vec x) { return ExpNonPositive(x); });
   }
-#else
-  exponentiate([](Vec x) { return ExpNonPositive(x); });
-#endif
   auto& inv_sums = scratch.tile_inv_sums;
   inv_sums.resize(kTileLanes);
   for (int v = 0; v < kTileVectors; ++v)

@@ -93,6 +93,9 @@ inline Vec ExpNonPositiveForRounding(Vec x) {
   poly = poly * f + 1.0f;
   return (Vec)_mm512_maskz_scalef_ps(0xffff, (__m512)poly, n);
 }
+#else
+// Without AVX-512 (no vscalefps, and no bfloat16 products to round for): the exact exp.
+inline Vec ExpNonPositiveForRounding(Vec x) { return ExpNonPositive(x); }
 #endif
 
 // silu(x) = x * sigmoid(x), lane by lane, from exp(-|x|) (ExpNonPositive): x / (1 + e) where x >= 0,
