@@ -662,6 +662,10 @@ void AttendOne(const Problem<Page>& p, int64_t row, Scratch& scratch) {
   const int64_t kv_len = std::min<int64_t>(p.kv_lens[row], p.table_width * page_size);
   const int64_t start = p.window > 0 ? std::max<int64_t>(kv_len - p.window, 0) : 0;
   const int64_t count = std::max<int64_t>(kv_len - start, 0);
+  if (count == 0) {  // a padding row: zeros, without scratch or tile set-up
+    std::fill(out_rows, out_rows + num_heads * head_dim, 0.0f);
+    return;
+  }
   const int32_t* table = p.tables + std::clamp<int64_t>(p.row_seqs[row], 0, p.num_table_rows - 1) * p.table_width;
   const RowKeys<Page> keys{p, table, start, start + count};
   if (const GroupedFn<Page> grouped = GroupedFor<Page>(head_dim, p.group)) {
