@@ -7,8 +7,9 @@ Queues --num-prompts random prompts of --input-len tokens at once (greedy, `igno
 until every prompt is in and --warm-steps decode steps more have run, then traces --steps decode steps with
 JAX's profiler (asynchronous scheduling off, so each step runs alone). Each step's custom calls are taken in
 their order in the compiled step: per layer the packed matmul of q, k and v, the page write, the attention,
-o_proj, the gated MLP's gate and up, down_proj; then the LM head. Prints each one's median time a call and
-its share of the step, the weights' and KV pages' bytes a step and the rate each kernel read them at, beside
+o_proj, the gated MLP's gate and up, down_proj; then the LM head and, where the C++ kernels sample, the
+greedy token (`argmax`). Prints each one's median time a call and its share of the step, the weights' and
+KV pages' bytes a step and the rate each kernel read them at, beside
 the rate XLA's sum reads a 512 MiB array at here (profile_kernels.py's) and the step those two rates would
 give. Needs the C++ matmul and attention on every layer (a CPU's defaults, `cpu-bf16` or `--quantization`);
 for other backends the custom calls do not follow that order and the script stops saying so.
@@ -36,7 +37,8 @@ LAYER_CALLS = ("qkv", "write pages", "attention", "o_proj", "gate_up", "down_pro
 
 
 def step_calls(trace_file: Path, num_layers: int) -> tuple[list[float], dict[str, list[float]]]:
-    """Each traced step's span (ms) and, per custom call of LAYER_CALLS + the LM head, its times (us)."""
+    """Each traced step's span (ms) and, per custom call of LAYER_CALLS + the LM head (+ the sampler's argmax),
+    its times (us)."""
     events = json.load(gzip.open(trace_file))["traceEvents"]
     steps: dict[str, list[dict]] = collections.OrderedDict()
     for event in sorted((e for e in events if e.get("ph") == "X"), key=lambda e: e["ts"]):
@@ -46,13 +48,16 @@ def step_calls(trace_file: Path, num_layers: int) -> tuple[list[float], dict[str
     spans, calls = [], collections.defaultdict(list)
     for ops in steps.values():
         custom = [e for e in ops if e["name"].startswith("ffi_call")]
-        if len(custom) != len(LAYER_CALLS) * num_layers + 1:
-            raise SystemExit(f"a step made {len(custom)} custom calls, not {len(LAYER_CALLS)} a layer and the LM "
-                             "head: this script needs the C++ matmul and attention on every layer")
+        model_calls = len(LAYER_CALLS) * num_layers + 1
+        if len(custom) not in (model_calls, model_calls + 1):
+            raise SystemExit(f"a step made {len(custom)} custom calls, not {len(LAYER_CALLS)} a layer, the LM "
+                             "head and the sampler's: this script needs the C++ matmul and attention on every layer")
         spans.append((ops[-1]["ts"] + ops[-1]["dur"] - ops[0]["ts"]) / 1e3)
-        for i, event in enumerate(custom[:-1]):
+        for i, event in enumerate(custom[:model_calls - 1]):
             calls[LAYER_CALLS[i % len(LAYER_CALLS)]].append(event["dur"])
-        calls["lm_head"].append(custom[-1]["dur"])
+        calls["lm_head"].append(custom[model_calls - 1]["dur"])
+        if len(custom) > model_calls:  # the greedy token (sampling.cpu_argmax)
+            calls["argmax"].append(custom[model_calls]["dur"])
     return spans, calls
 
 

@@ -265,21 +265,34 @@ def test_row_results_do_not_depend_on_the_batch():
     np.testing.assert_array_equal(np.asarray(out.logprobs)[perm], np.asarray(permuted.logprobs))
 
 
-@pytest.mark.parametrize("vocab", [1, 127, 128, 300, 1000, 49152])
-def test_chunked_argmax_is_the_first_index_of_the_maximum(vocab):
-    """The sampler's greedy argmax (a max per chunk of 128, then the first index in the first chunk with
-    the row max) against numpy's argmax: ties inside a chunk and across chunks, the maximum in the padded
-    last chunk, rows of -inf; a NaN row still gives an index inside the vocabulary."""
+@pytest.mark.parametrize("cpu_kernel", [False, True], ids=["xla", "kernel"])
+@pytest.mark.parametrize("vocab", [1, 15, 127, 128, 300, 1000, 49152])
+def test_chunked_argmax_is_the_first_index_of_the_maximum(vocab, cpu_kernel):
+    """The sampler's greedy argmax (XLA: a max per chunk of 128, then the first index in the first chunk
+    with the row max; the C++ kernel: one pass, four interleaved running maxima) against numpy's argmax:
+    ties inside a chunk and across chunks, the maximum in the padded last chunk or in the kernel's tail
+    past its last whole vector, rows of -inf; a row with a NaN gives an index inside the vocabulary (the
+    kernel's: the last)."""
+    if cpu_kernel:
+        _need_cpu_kernels()
     rng = np.random.default_rng(vocab)
-    x = rng.integers(-3, 4, (12, vocab)).astype(np.float32)  # few distinct values: many ties
+    x = rng.integers(-3, 4, (14, vocab)).astype(np.float32)  # few distinct values: many ties
     x[1] = rng.standard_normal(vocab)
     x[2, -1] = 100.0  # the maximum at the very end (the padded chunk when vocab % 128 != 0)
     x[3] = -np.inf
     x[4, [0, vocab - 1]] = 50.0  # a tie between the first and the last index
     x[5, vocab // 2:] = 60.0  # a run of ties starting mid-row
-    np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(x)), np.argmax(x, axis=-1))
-    x[6] = np.nan
-    assert 0 <= int(jax.jit(argmax)(x)[6]) < vocab
+    x[6, (vocab * 5) // 7:] = 70.0  # ties from one chain's vector into the next chains'
+    x[7, vocab // 3] = x[7, vocab // 3 + 16 if vocab // 3 + 16 < vocab else vocab // 3] = 80.0  # one lane, two vectors
+    greedy = jax.jit(functools.partial(argmax, cpu_kernel=cpu_kernel))
+    np.testing.assert_array_equal(np.asarray(greedy(x)), np.argmax(x, axis=-1))
+    x[8] = np.nan
+    x[9, vocab // 2] = np.nan  # one NaN among finite values
+    got = np.asarray(greedy(x))
+    np.testing.assert_array_equal(got[:8], np.argmax(x[:8], axis=-1))
+    if cpu_kernel:  # XLA's reductions treat a NaN as they happen to: an index inside the vocabulary
+        assert got[8] == vocab - 1 and got[9] == vocab - 1, got
+    assert np.all((0 <= got) & (got < vocab)), got
 
 
 @pytest.mark.parametrize("vocab", [1, 127, 128, 300, 49152])
@@ -467,12 +480,14 @@ def _mixed_params(rng: random.Random, max_tokens: int | None = None) -> Sampling
 
 def test_the_engine_on_a_cpu_takes_its_thresholds_from_the_kernel(llm):
     """Where the C++ kernels run, every step executable calls the threshold kernel (inside the sampler's
-    branch for rows with top-k or top-p); a step compiled for a GPU keeps XLA's bisections."""
+    branch for rows with top-k or top-p) and the greedy-token kernel; a step compiled for a GPU keeps XLA's
+    bisections and chunked argmax."""
     _need_cpu_kernels()
     runner = llm.engine.runner
     assert runner.resolved.sampler_kernel
     for bucket in runner.decode_buckets:
         assert "jaxserve_truncation_threshold" in runner.compiled_text("decode", bucket), bucket
+        assert "jaxserve_argmax_rows" in runner.compiled_text("decode", bucket), bucket
     for_gpu = resolve_config(runner.resolved.requested, runner.model_cfg, platform="gpu")
     assert not for_gpu.sampler_kernel and not for_gpu.sampler_branches
 

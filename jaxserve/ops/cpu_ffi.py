@@ -10,8 +10,9 @@
   is `packed_matmul.py`.
 - `lora_bgmv` (`cpu_kernels/lora_bgmv.cc`): the LoRA deltas of a batch mixing adapters, each token
   through its own adapter slot; its Python side is `ops/lora.py`.
-- `truncation_threshold` (`cpu_kernels/truncation.cc`): the sampler's top-k / top-p threshold of each row,
-  where XLA's reductions take dozens of passes over the vocabulary; its Python side is `ops/sampling.py`.
+- `truncation_threshold` and `argmax_rows` (`cpu_kernels/truncation.cc`): the sampler's top-k / top-p
+  threshold of each row, where XLA's reductions take dozens of passes over the vocabulary, and its greedy
+  token in one pass over the row, where XLA's takes two; their Python side is `ops/sampling.py`.
 
 All four spread their work over XLA's own intra-op threads. They need a C++ compiler (`c++`, or $CXX)
 once: the library is cached under ~/.cache/jaxserve/kernels (JAXSERVE_KERNEL_CACHE moves it), keyed
@@ -90,6 +91,7 @@ TARGETS = {  # FFI target -> handler symbol
     "jaxserve_lora_bgmv": "JaxserveLoraBgmv",
     "jaxserve_lora_bgmv_bf16": "JaxserveLoraBgmvBf16",
     "jaxserve_truncation_threshold": "JaxserveTruncationThreshold",
+    "jaxserve_argmax_rows": "JaxserveArgmaxRows",
 }
 # The attention kernel's and the page writer's FFI targets by page dtype (float32 pages are written by XLA).
 _PAGE_SUFFIX = {jnp.dtype(jnp.float32): "", jnp.dtype(jnp.bfloat16): "_bf16_pages",

@@ -1,5 +1,6 @@
-// The sampler's top-k / top-p threshold for XLA:CPU, row by row, called through the XLA FFI (see
-// jaxserve/ops/sampling.py, `truncation_threshold`, whose bisections over the vocabulary are the reference).
+// The sampler's kernels for XLA:CPU, row by row, called through the XLA FFI: the top-k / top-p threshold (see
+// jaxserve/ops/sampling.py, `truncation_threshold`, whose bisections over the vocabulary are the reference) and
+// the greedy token (`argmax`, below).
 //
 // For each row of scaled logits s [S, V] and their probabilities p [S, V] (after min-p), with top_k (0: off)
 // and top_p (1: off), the threshold t such that the tokens with s >= t are the ones kept:
@@ -18,6 +19,11 @@
 // shape). The bucket masses are float32 sums taken in another order than the reference's, so a token whose
 // running mass lands within float32's rounding of the target may fall on the other side (the 1e-6 margin keeps
 // the last kept token away from the top-k set's own total).
+//
+// And the greedy token (ArgmaxRows): the first index of each row's maximum, as sampling.argmax gives it, in one
+// pass over the row (the last index where a row holds a NaN, which XLA's reductions treat as they happen to). XLA:CPU's version, two reductions over the
+// whole [S, V] logits (the row maximum, then each chunk's), took about 0.97 ms of a batch-32 decode step of the
+// default model on a 2-core Xeon.
 //
 // Rows are spread over XLA's intra-op threads (parallel_for.h), each thread with its own scratch.
 
@@ -230,7 +236,68 @@ ffi::Error TruncationThreshold(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scale
   return ffi::Error::Success();
 }
 
+// The first index of the row's maximum; the last index (vocab - 1) where the row holds a NaN. kArgmaxChains
+// running maxima over interleaved vectors (vector i into chain i % kArgmaxChains), each lane keeping the
+// vector where its maximum first appeared, so that no compare waits on the one before it; then the
+// smallest index among the lanes that hold the row's maximum.
+constexpr int kArgmaxChains = 4;
+
+int32_t ArgmaxRow(const float* row, int64_t vocab) {
+  using jaxserve::IntVec;
+  using jaxserve::kLanes;
+  using jaxserve::Vec;
+  Vec best[kArgmaxChains];
+  IntVec where[kArgmaxChains] = {}, nan = {};
+  for (Vec& b : best) b = Vec{} - kInf;
+  const int64_t vectors = vocab / kLanes;
+  int64_t v = 0;
+  for (; v + kArgmaxChains <= vectors; v += kArgmaxChains) {
+    for (int c = 0; c < kArgmaxChains; ++c) {
+      const Vec x = jaxserve::Load(row + (v + c) * kLanes);
+      const IntVec greater = x > best[c];
+      best[c] = greater ? x : best[c];
+      where[c] = greater ? IntVec{} + static_cast<int32_t>(v + c) : where[c];
+      nan |= x != x;
+    }
+  }
+  for (; v < vectors; ++v) {  // fewer than kArgmaxChains vectors left: chain 0's, in order after its others
+    const Vec x = jaxserve::Load(row + v * kLanes);
+    const IntVec greater = x > best[0];
+    best[0] = greater ? x : best[0];
+    where[0] = greater ? IntVec{} + static_cast<int32_t>(v) : where[0];
+    nan |= x != x;
+  }
+  float top = -kInf;
+  int64_t index = 0;
+  bool any_nan = false;
+  for (int j = 0; j < kLanes; ++j) any_nan |= nan[j] != 0;
+  for (int c = 0; c < kArgmaxChains; ++c) {
+    for (int j = 0; j < kLanes; ++j) {
+      const int64_t at = static_cast<int64_t>(where[c][j]) * kLanes + j;
+      if (best[c][j] > top || (best[c][j] == top && at < index)) top = best[c][j], index = at;
+    }
+  }
+  for (int64_t i = vectors * kLanes; i < vocab; ++i) {  // the last vocab % kLanes, after every vector
+    any_nan |= row[i] != row[i];
+    if (row[i] > top) top = row[i], index = i;
+  }
+  return any_nan ? static_cast<int32_t>(vocab - 1) : static_cast<int32_t>(index);
+}
+
+ffi::Error ArgmaxRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::ResultBuffer<ffi::S32> tokens) {
+  const auto dims = logits.dimensions();
+  if (dims.size() != 2 || static_cast<int64_t>(tokens->element_count()) != dims[0] || dims[1] < 1) {
+    return ffi::Error::InvalidArgument("jaxserve_argmax_rows: logits must be [S, V >= 1] and the result [S]");
+  }
+  const int64_t vocab = dims[1];
+  const float* x = logits.typed_data();
+  int32_t* out = tokens->typed_data();
+  jaxserve::ParallelFor(pool, dims[0], [=] { return [=](int64_t r) { out[r] = ArgmaxRow(x + r * vocab, vocab); }; });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
 
 // (scaled [S, V], probs [S, V] float32, top_k [S] int32, top_p [S] float32) -> threshold [S, 1] float32.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveTruncationThreshold, TruncationThreshold,
@@ -241,3 +308,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveTruncationThreshold, TruncationThreshold,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+// logits [S, V] float32 -> tokens [S] int32.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveArgmaxRows, ArgmaxRows,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>());
