@@ -21,9 +21,9 @@
 // the last kept token away from the top-k set's own total).
 //
 // And the greedy token (ArgmaxRows): the first index of each row's maximum, as sampling.argmax gives it, in one
-// pass over the row (the last index where a row holds a NaN, which XLA's reductions treat as they happen to). XLA:CPU's version, two reductions over the
-// whole [S, V] logits (the row maximum, then each chunk's), took about 0.97 ms of a batch-32 decode step of the
-// default model on a 2-core Xeon.
+// pass over the row (the last index where a row holds a NaN, which XLA's reductions treat as they happen to).
+// XLA:CPU's version, two reductions over the whole [S, V] logits (the row maximum, then each chunk's), took
+// about 0.97 ms of a batch-32 decode step of the default model on a 2-core Xeon.
 //
 // Rows are spread over XLA's intra-op threads (parallel_for.h), each thread with its own scratch.
 
@@ -298,7 +298,6 @@ ffi::Error ArgmaxRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::R
 
 }  // namespace
 
-
 // (scaled [S, V], probs [S, V] float32, top_k [S] int32, top_p [S] float32) -> threshold [S, 1] float32.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveTruncationThreshold, TruncationThreshold,
                               ffi::Ffi::Bind()
@@ -311,4 +310,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveTruncationThreshold, TruncationThreshold,
 
 // logits [S, V] float32 -> tokens [S] int32.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveArgmaxRows, ArgmaxRows,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>());
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
