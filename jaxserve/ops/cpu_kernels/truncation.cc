@@ -249,24 +249,19 @@ int32_t ArgmaxRow(const float* row, int64_t vocab) {
   Vec best[kArgmaxChains];
   IntVec where[kArgmaxChains] = {}, nan = {};
   for (Vec& b : best) b = Vec{} - kInf;
+  const auto take = [&](int c, int64_t v) {  // vector v into chain c
+    const Vec x = jaxserve::Load(row + v * kLanes);
+    const IntVec greater = x > best[c];
+    best[c] = greater ? x : best[c];
+    where[c] = greater ? IntVec{} + static_cast<int32_t>(v) : where[c];
+    nan |= x != x;
+  };
   const int64_t vectors = vocab / kLanes;
   int64_t v = 0;
   for (; v + kArgmaxChains <= vectors; v += kArgmaxChains) {
-    for (int c = 0; c < kArgmaxChains; ++c) {
-      const Vec x = jaxserve::Load(row + (v + c) * kLanes);
-      const IntVec greater = x > best[c];
-      best[c] = greater ? x : best[c];
-      where[c] = greater ? IntVec{} + static_cast<int32_t>(v + c) : where[c];
-      nan |= x != x;
-    }
+    for (int c = 0; c < kArgmaxChains; ++c) take(c, v + c);
   }
-  for (; v < vectors; ++v) {  // fewer than kArgmaxChains vectors left: chain 0's, in order after its others
-    const Vec x = jaxserve::Load(row + v * kLanes);
-    const IntVec greater = x > best[0];
-    best[0] = greater ? x : best[0];
-    where[0] = greater ? IntVec{} + static_cast<int32_t>(v) : where[0];
-    nan |= x != x;
-  }
+  for (int c = 0; v < vectors; ++v, ++c) take(c, v);  // fewer than kArgmaxChains left
   float top = -kInf;
   int64_t index = 0;
   bool any_nan = false;
