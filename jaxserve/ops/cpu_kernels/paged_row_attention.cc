@@ -207,20 +207,20 @@ struct Scratch {
   std::vector<Vec> parts;
   std::vector<float> tile_queries, tile_scores, tile_inv_sums, tile_out;  // AttendTile's
   std::vector<const void*> key_rows, value_rows;  // a tile's [D] rows, of Page elements
-  std::vector<uint32_t> query_pairs, key_pairs, weight_pairs, value_pairs;  // TileBf16's
+  std::vector<uint32_t> query_pairs, key_pairs, key_columns, weight_pairs, value_pairs;  // TileBf16's
   // The tiles of a job share their keys (see AttendTiles): the rows above and their bfloat16 pairs
   // hold the keys from `lo` of one sequence's KV head, the first `*_valid` of them real (past those,
   // a tile's padding). A tile of the same sequence, head and lo only adds the keys past them. They may
   // hold more keys than a tile needs (a later job of its run ran first on this thread): a tile masks
   // the scores past its own keys, and their softmax weights are zero, so the values there add nothing.
   int64_t table_row = -1, kv_head = -1, lo = -1;
-  int64_t rows_valid = 0, key_pairs_valid = 0, value_pairs_valid = 0;  // keys; keys; pairs of keys
+  int64_t rows_valid = 0, key_pairs_valid = 0, key_columns_valid = 0, value_pairs_valid = 0;  // pairs: of keys
 
   // Forgets what it holds unless it holds these keys.
   void Keep(int64_t new_table_row, int64_t new_kv_head, int64_t new_lo) {
     if (new_table_row == table_row && new_kv_head == kv_head && new_lo == lo) return;
     table_row = new_table_row, kv_head = new_kv_head, lo = new_lo;
-    rows_valid = key_pairs_valid = value_pairs_valid = 0;
+    rows_valid = key_pairs_valid = key_columns_valid = value_pairs_valid = 0;
   }
 };
 
@@ -787,7 +787,7 @@ struct TileBf16 {
 
   // scores [padded keys, kTileLanes] as TileScores, from rounded queries and keys.
   template <typename Page>
-  static void Scores(const Problem<Page>& p, const TileJob& job, int64_t padded, Scratch& scratch, bool amx) {
+  static void Scores(const Problem<Page>& p, const TileJob& job, int64_t padded, Scratch& scratch) {
     auto& queries = scratch.query_pairs;  // [D / 2, kTileLanes]
     queries.assign(kHalfD * kTileLanes, 0u);
     ForEachTileQuery<DV>(p, job, [&](int64_t lane, const float* q) {
@@ -804,12 +804,6 @@ struct TileBf16 {
       }
     }
     float* scores = scratch.tile_scores.data();
-#if JAXSERVE_AMX
-    if (amx) {  // padded: whole tiles of 16 keys
-      AmxScores(keys.data(), queries.data(), padded, scores);
-      return;
-    }
-#endif
     for (int64_t i0 = 0; i0 < padded; i0 += kKeyTile) {
       Vec acc[kKeyTile][kTileVectors] = {};
       const uint32_t* tile_keys = keys.data() + i0 * kHalfD;
@@ -848,13 +842,7 @@ struct TileBf16 {
   // out = weights^T . values for the tile's lanes, R at a time, from rounded weights (the softmax's
   // numerators in tile_scores) and values; an odd last key pairs with a zero.
   template <int R, typename Page>
-  static void WeightedSum(const Problem<Page>& p, const TileJob& job, int64_t count, Scratch& scratch, bool amx) {
-#if JAXSERVE_AMX
-    if (amx) {
-      AmxWeightedSum(p, job, count, scratch);
-      return;
-    }
-#endif
+  static void WeightedSum(const Problem<Page>& p, const TileJob& job, int64_t count, Scratch& scratch) {
     const int64_t pairs = (count + 1) / 2;
     const float* scores = scratch.tile_scores.data();
     auto& weights = scratch.weight_pairs;  // [pairs, kTileLanes]
@@ -883,50 +871,6 @@ struct TileBf16 {
   }
 
 #if JAXSERVE_AMX
-  // The scores on AMX tiles: keys [padded, D / 2] pairs are the A operand, 16 keys a tile; the queries
-  // [D / 2, kTileLanes] pairs the B operand, three tiles of 16 lanes; scores [padded, kTileLanes] float32.
-  // Two tiles of keys at a time in six accumulators (the matmul's AmxPair pattern: tile 6 takes the keys,
-  // tile 7 the queries, in turn): with D = 64 an accumulator takes only two tdpbf16ps before it is stored,
-  // and six independent ones keep more of them in flight; the sums are the same. What bounds this loop is
-  // the tile stores of the scores (48 lanes x 4 bytes a key, past L1 for long contexts).
-  static void AmxScores(const uint32_t* keys, const uint32_t* queries, int64_t padded, float* scores) {
-    static_assert(kTileLanes == 48 && kHalfD % jaxserve::kAmxRows == 0, "three lane tiles, whole tiles of D");
-    constexpr int64_t kStride = kTileLanes * sizeof(float), kKeyStride = kHalfD * sizeof(uint32_t);
-    constexpr int64_t kRows = jaxserve::kAmxRows;
-    jaxserve::ConfigureTiles();
-    jaxserve::TileMemoryBarrier();  // keys and queries, written by the caller, are read by tile loads
-    int64_t i0 = 0;
-    for (; i0 + 2 * kRows <= padded; i0 += 2 * kRows) {
-      const uint32_t* k0 = keys + i0 * kHalfD;
-      const uint32_t* k1 = k0 + kRows * kHalfD;
-      jaxserve::ZeroPair();
-      for (int64_t e = 0; e < kHalfD; e += kRows) {
-        jaxserve::PairStep<false>(k0 + e, k1 + e, kKeyStride, queries + e * kTileLanes, kStride);
-      }
-      float* s0 = scores + i0 * kTileLanes;
-      jaxserve::StorePair(s0, s0 + kRows * kTileLanes, kStride);
-    }
-    for (; i0 < padded; i0 += kRows) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      for (int64_t e = 0; e < kHalfD; e += jaxserve::kAmxRows) {
-        _tile_loadd(3, keys + i0 * kHalfD + e, kHalfD * sizeof(uint32_t));
-        _tile_loadd(4, queries + e * kTileLanes, kStride);
-        _tile_loadd(5, queries + e * kTileLanes + 16, kStride);
-        _tile_loadd(6, queries + e * kTileLanes + 32, kStride);
-        _tile_dpbf16ps(0, 3, 4);
-        _tile_dpbf16ps(1, 3, 5);
-        _tile_dpbf16ps(2, 3, 6);
-      }
-      _tile_stored(0, scores + i0 * kTileLanes, kStride);
-      _tile_stored(1, scores + i0 * kTileLanes + 16, kStride);
-      _tile_stored(2, scores + i0 * kTileLanes + 32, kStride);
-    }
-    jaxserve::TileMemoryBarrier();  // the caller reads the scores
-    _tile_release();
-  }
-
   // rows[0..15], a 16 x 16 matrix of 32-bit lanes, transposed in place: round B swaps bit B of the
   // row and the lane index of every element where they differ, by two-input shuffles (vpermt2d).
   template <int B, int... L>
@@ -950,75 +894,200 @@ struct TileBf16 {
     TransposeRound<1>(rows);
   }
 
-  // The weighted sum on AMX tiles: the weights transposed to [kTileLanes, pairs] (A: 16 lanes by 16 pairs
-  // of keys a tile), the values [pairs, D] (B: 16 pairs by 16 of D), to a whole tile (the weights zero
-  // past the last key, so whatever values lie there add nothing); out [16 lanes, D] per row of lane
-  // tiles, 4 accumulator tiles of 16 of D at a time.
+  // A tile on AMX tiles, lane by lane along rows: scores [lanes, keys] = queries [lanes, D / 2 pairs] .
+  // keys^T [D / 2 pairs, keys] (A: 16 lanes by 16 pairs of D; B: 16 pairs of D by 16 keys, KeyColumns), then
+  // out [lanes, D] = weights [lanes, keys / 2 pairs] . values [keys / 2 pairs, D] (A: 16 lanes by 16 pairs
+  // of keys, a lane's consecutive weights as they lie; B: 16 pairs of keys by 16 of D, ValuePairs). No
+  // operand is transposed per tile: the keys are turned into columns once per job (Scratch::Keep), a lane's
+  // softmax runs along its own row, and its weights become pairs of neighbours by one conversion. (Scores
+  // as [keys, lanes], the layout before, needed the weights transposed, 16 x 16 at a time, in every tile.)
+  // The keys are padded to whole pairs of 16 (count rounded up to 32); the scores past a lane's own range
+  // are masked, and its weights there are zero.
+  static constexpr int64_t kRows = jaxserve::kAmxRows, kSteps = kHalfD / kRows;
+  static constexpr int64_t kKeyPad = 2 * kRows;
+
+  // The pairs 16 c..16 c + 15 of a key's D / 2 (bfloat16 pages: as they lie).
   template <typename Page>
-  static void AmxWeightedSum(const Problem<Page>& p, const TileJob& job, int64_t count, Scratch& scratch) {
-    constexpr int64_t kTile = jaxserve::kAmxRows;
-    const int64_t pairs = (count + 1) / 2, whole = (pairs + kTile - 1) / kTile * kTile;
-    const float* scores = scratch.tile_scores.data();
-    auto& weights = scratch.weight_pairs;  // [kTileLanes, whole]
-    auto& values = scratch.value_pairs;    // [whole, D]
-    weights.resize(kTileLanes * whole);
-    ValuePairs<Page>(count, whole, scratch);
-    for (int64_t i0 = 0; i0 < whole; i0 += kTile) {  // 16 pairs of 16 lanes at a time, transposed
-      for (int v = 0; v < kTileVectors; ++v) {
-        PairVec block[kTile];
-        for (int64_t j = 0; j < kTile; ++j) {
-          const int64_t i = i0 + j;
-          const bool odd = 2 * i + 1 < count;
-          const Vec even = i < pairs ? Load(scores + 2 * i * kTileLanes + v * kLanes) : Vec{};
-          const Vec next = odd ? Load(scores + (2 * i + 1) * kTileLanes + v * kLanes) : Vec{};
-          block[j] = Pairs(even, next);
-        }
+  static PairVec KeyPairs(const Page* key, int64_t c) {
+    if constexpr (std::is_same_v<Page, Bf16>) {
+      return LoadPairs(reinterpret_cast<const uint32_t*>(key) + c * kLanes);
+    } else {
+      const Vec a = Load(key + 2 * c * kLanes), b = Load(key + 2 * c * kLanes + kLanes);
+      return Pairs(Evens(a, b), Odds(a, b));
+    }
+  }
+
+  // key_columns [padded / 16][D / 2][16]: the B tiles of the scores, tile (keys 16 j.., step s) the pairs
+  // 16 s..16 s + 15 of keys 16 j..16 j + 15, a key to a column. Only the groups of 16 past those the tile
+  // before left whole are written.
+  template <typename Page>
+  static void KeyColumns(int64_t padded, Scratch& scratch) {
+    auto& columns = scratch.key_columns;
+    columns.resize(padded * kHalfD);
+    for (int64_t j = scratch.key_columns_valid / kRows * kRows; j < padded; j += kRows) {
+      for (int64_t c = 0; c < kSteps; ++c) {
+        PairVec block[kRows];
+        for (int64_t i = 0; i < kRows; ++i) block[i] = KeyPairs(static_cast<const Page*>(scratch.key_rows[j + i]), c);
         Transpose(block);
-        for (int64_t l = 0; l < kTile; ++l) StorePairs(weights.data() + (v * kLanes + l) * whole + i0, block[l]);
+        for (int64_t r = 0; r < kRows; ++r) StorePairs(columns.data() + j * kHalfD + (c * kRows + r) * kRows, block[r]);
       }
     }
-    constexpr int64_t kWeightStride = sizeof(uint32_t), kValueStride = D * sizeof(uint32_t);
-    alignas(64) float out_tile[kTile * D];
-    const int64_t lanes = job.tokens * p.group;
-    const float* inv_sums = scratch.tile_inv_sums.data();
-    jaxserve::ConfigureTiles();
-    jaxserve::TileMemoryBarrier();  // the weight and value pairs written above are read by tile loads
-    for (int64_t lane0 = 0; lane0 < lanes; lane0 += kTile) {
-      for (int64_t d0 = 0; d0 < D; d0 += 4 * kTile) {  // D is a multiple of 32: 2 or 4 tiles a pass
-        const bool four = d0 + 4 * kTile <= D;
+  }
+
+  // scores [kTileLanes, padded] = queries . key columns: three lane tiles against two key tiles in six
+  // accumulators (AmxPair's pattern, the other way round), A and B loaded in turn into tiles 6 and 7.
+  static void AmxScores(const uint32_t* queries, const uint32_t* columns, int64_t padded, float* scores) {
+    constexpr int64_t kQueryStride = kHalfD * sizeof(uint32_t), kColumnStride = kRows * sizeof(uint32_t);
+    constexpr int64_t kLaneTile = kRows * kHalfD;
+    const int64_t stride = padded * sizeof(float), score_tile = kRows * padded;
+    for (int64_t j = 0; j < padded; j += 2 * kRows) {
+      const uint32_t* k0 = columns + j * kHalfD;
+      const uint32_t* k1 = k0 + kRows * kHalfD;
+      jaxserve::ZeroPair();
+      for (int64_t s = 0; s < kSteps; ++s) {
+        const uint32_t* q = queries + s * kRows;
+        _tile_loadd(7, k0 + s * kRows * kRows, kColumnStride);
+        _tile_loadd(6, q, kQueryStride);
+        _tile_dpbf16ps(0, 6, 7);
+        _tile_loadd(6, q + kLaneTile, kQueryStride);
+        _tile_dpbf16ps(1, 6, 7);
+        _tile_loadd(6, q + 2 * kLaneTile, kQueryStride);
+        _tile_dpbf16ps(2, 6, 7);
+        _tile_loadd(7, k1 + s * kRows * kRows, kColumnStride);
+        _tile_dpbf16ps(5, 6, 7);
+        _tile_loadd(6, q + kLaneTile, kQueryStride);
+        _tile_dpbf16ps(4, 6, 7);
+        _tile_loadd(6, q, kQueryStride);
+        _tile_dpbf16ps(3, 6, 7);
+      }
+      float* s0 = scores + j;
+      _tile_stored(0, s0, stride);
+      _tile_stored(1, s0 + score_tile, stride);
+      _tile_stored(2, s0 + 2 * score_tile, stride);
+      _tile_stored(3, s0 + kRows, stride);
+      _tile_stored(4, s0 + score_tile + kRows, stride);
+      _tile_stored(5, s0 + 2 * score_tile + kRows, stride);
+    }
+    jaxserve::TileMemoryBarrier();  // the caller reads the scores
+  }
+
+  // out [kTileLanes, D] = weights [kTileLanes, pairs] . values [pairs, D] (pairs a multiple of 16): a lane tile
+  // at a time, 4 accumulator tiles of 16 of D at a time, held over all the pairs.
+  static void AmxWeightedSum(const uint32_t* weights, const uint32_t* values, int64_t pairs, float* out) {
+    constexpr int64_t kValueStride = D * sizeof(uint32_t), kOutStride = D * sizeof(float);
+    const int64_t weight_stride = pairs * sizeof(uint32_t);
+    for (int64_t g = 0; g < kTileVectors; ++g) {
+      float* o = out + g * kRows * D;
+      const uint32_t* w = weights + g * kRows * pairs;
+      for (int64_t d0 = 0; d0 < D; d0 += 4 * kRows) {  // D is a multiple of 32: 2 or 4 tiles a pass
+        const bool four = d0 + 4 * kRows <= D;
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        for (int64_t k = 0; k < whole; k += kTile) {
-          const uint32_t* value_rows = values.data() + k * D + d0;
-          _tile_loadd(4, weights.data() + lane0 * whole + k, whole * kWeightStride);
-          _tile_loadd(5, value_rows, kValueStride);
+        for (int64_t k = 0; k < pairs; k += kRows) {
+          const uint32_t* v = values + k * D + d0;
+          _tile_loadd(4, w + k, weight_stride);
+          _tile_loadd(5, v, kValueStride);
           _tile_dpbf16ps(0, 4, 5);
-          _tile_loadd(6, value_rows + 16, kValueStride);
+          _tile_loadd(6, v + kRows, kValueStride);
           _tile_dpbf16ps(1, 4, 6);
           if (four) {
-            _tile_loadd(7, value_rows + 32, kValueStride);
+            _tile_loadd(7, v + 2 * kRows, kValueStride);
             _tile_dpbf16ps(2, 4, 7);
-            _tile_loadd(5, value_rows + 48, kValueStride);
+            _tile_loadd(5, v + 3 * kRows, kValueStride);
             _tile_dpbf16ps(3, 4, 5);
           }
         }
-        _tile_stored(0, out_tile + d0, D * sizeof(float));
-        _tile_stored(1, out_tile + d0 + 16, D * sizeof(float));
+        _tile_stored(0, o + d0, kOutStride);
+        _tile_stored(1, o + d0 + kRows, kOutStride);
         if (four) {
-          _tile_stored(2, out_tile + d0 + 32, D * sizeof(float));
-          _tile_stored(3, out_tile + d0 + 48, D * sizeof(float));
+          _tile_stored(2, o + d0 + 2 * kRows, kOutStride);
+          _tile_stored(3, o + d0 + 3 * kRows, kOutStride);
         }
       }
-      jaxserve::TileMemoryBarrier();  // out_tile is read below
-      for (int64_t r = 0; r < kTile && lane0 + r < lanes; ++r) {
-        const int64_t lane = lane0 + r;
-        float* out = p.out + (job.first_row + lane / p.group) * p.num_heads * D + (job.kv_head * p.group + lane % p.group) * D;
-        for (int dv = 0; dv < DV; ++dv) Store(out + dv * kLanes, Load(out_tile + r * D + dv * kLanes) * inv_sums[lane]);
-      }
     }
+    jaxserve::TileMemoryBarrier();  // the caller reads out
+  }
+
+  // Two vectors of weights (keys i..i + 15 and i + 16..i + 31 of a lane) as 16 pairs of consecutive keys.
+  // vcvtne2ps2bf16 rounds to nearest even, as Pairs does, but flushes subnormals to zero: weights below
+  // 2^-126 of the lane's largest, which add nothing a bfloat16 sum keeps.
+  static PairVec RowPairs(Vec first, Vec second) {
+#ifdef __AVX512BF16__
+    return (PairVec)_mm512_cvtne2ps_pbh((__m512)second, (__m512)first);
+#else
+    return Pairs(Evens(first, second), Odds(first, second));
+#endif
+  }
+
+  // The tile's attention: keys [0, count) (positions from lo, padded with copies of the last key to
+  // `padded`, a multiple of kKeyPad), lane l attending to [starts[l], ends[l]).
+  template <typename Page>
+  static void AmxAttend(const Problem<Page>& p, const TileJob& job, int64_t count, int64_t padded,
+                        const IntVec (&starts)[kTileVectors], const IntVec (&ends)[kTileVectors], Scratch& scratch) {
+    static_assert(kTileLanes == 3 * kRows && kHalfD % kRows == 0, "whole tiles");
+    auto& queries = scratch.query_pairs;  // [kTileLanes, D / 2]
+    queries.assign(kTileLanes * kHalfD, 0u);
+    ForEachTileQuery<DV>(p, job, [&](int64_t lane, const float* q) {
+      for (int64_t e = 0; e < kHalfD; ++e) queries[lane * kHalfD + e] = Pair(q[2 * e] * p.scale, q[2 * e + 1] * p.scale);
+    });
+    KeyColumns<Page>(padded, scratch);
+    ValuePairs<Page>(count, padded / 2, scratch);
+    auto& scores = scratch.tile_scores;  // [kTileLanes, padded]
+    auto& weights = scratch.weight_pairs;  // [kTileLanes, padded / 2]
+    auto& out = scratch.tile_out;  // [kTileLanes, D]
+    scores.resize(kTileLanes * padded);
+    weights.resize(kTileLanes * padded / 2);
+    out.resize(kTileLanes * D);
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    float sum[kTileLanes];
+    IntVec index;
+    for (int l = 0; l < kLanes; ++l) index[l] = l;
+
+    jaxserve::ConfigureTiles();
+    jaxserve::TileMemoryBarrier();  // the pairs written above are read by tile loads
+    AmxScores(queries.data(), scratch.key_columns.data(), padded, scores.data());
+    for (int64_t lane = 0; lane < kTileLanes; ++lane) {
+      float* row = scores.data() + lane * padded;
+      uint32_t* w = weights.data() + lane * (padded / 2);
+      const int32_t first = starts[lane / kLanes][lane % kLanes], last = ends[lane / kLanes][lane % kLanes];
+      if (p.soft_cap > 0.0f) {
+        for (int64_t i = first; i < last; ++i) row[i] = p.soft_cap * std::tanh(row[i] / p.soft_cap);
+      }
+      // vectors [open_lo, open_hi) lie inside the lane's range: no mask there
+      const int64_t open_lo = (first + kLanes - 1) / kLanes * kLanes, open_hi = last / kLanes * kLanes;
+      const auto masked = [&](int64_t i) {
+        const IntVec key = index + static_cast<int32_t>(i);
+        return (open_lo <= i && i < open_hi) ? Load(row + i) : (key >= first) & (key < last) ? Load(row + i) : Vec{} + kNegInf;
+      };
+      Vec seen = Vec{} + kNegInf;
+      for (int64_t i = 0; i < padded; i += kLanes) {
+        const Vec s = masked(i);
+        seen = s > seen ? s : seen;
+      }
+      const Vec m = Vec{} + _mm512_reduce_max_ps((__m512)seen);
+      Vec total = {};
+      for (int64_t i = 0; i < padded; i += 2 * kLanes) {
+        Vec e[2];
+        for (int h = 0; h < 2; ++h) {
+          const Vec s = masked(i + h * kLanes);
+          e[h] = s == kNegInf ? Vec{} : jaxserve::ExpNonPositiveForRounding(s == kNegInf ? Vec{} : s - m);
+        }
+        total += e[0] + e[1];
+        StorePairs(w + i / 2, RowPairs(e[0], e[1]));
+      }
+      sum[lane] = _mm512_reduce_add_ps((__m512)total);
+    }
+    jaxserve::TileMemoryBarrier();  // the weights written above are read by tile loads
+    AmxWeightedSum(weights.data(), scratch.value_pairs.data(), padded / 2, out.data());
     _tile_release();
+    const int64_t lanes = job.tokens * p.group;
+    for (int64_t lane = 0; lane < lanes; ++lane) {
+      const float inv_sum = sum[lane] > 0.0f ? 1.0f / sum[lane] : 0.0f;
+      float* dst = p.out + (job.first_row + lane / p.group) * p.num_heads * D + (job.kv_head * p.group + lane % p.group) * D;
+      for (int dv = 0; dv < DV; ++dv) Store(dst + dv * kLanes, Load(out.data() + lane * D + dv * kLanes) * inv_sum);
+    }
   }
 #endif
 
@@ -1081,9 +1150,13 @@ void AttendTile(const Problem<Page>& p, const TileJob& job, Scratch& scratch) {
   const int64_t last_kv_len = std::min<int64_t>(first_kv_len + job.tokens - 1, cap);
   const auto start_of = [&](int64_t kv_len) { return p.window > 0 ? std::max<int64_t>(kv_len - p.window, 0) : 0; };
   const int64_t lo = start_of(first_kv_len), count = last_kv_len - lo;
-  // bfloat16 products on AMX tiles where the kernels use them: keys padded to whole tiles of 16
+  // bfloat16 products on AMX tiles where the kernels use them (TileBf16::AmxAttend)
   const bool amx = kBf16Products && p.bf16_products && JAXSERVE_AMX && JaxserveAmxInUse();
-  const int64_t key_tile = amx ? 16 : kKeyTile;
+#if JAXSERVE_AMX
+  const int64_t key_tile = amx ? TileBf16<DV>::kKeyPad : kKeyTile;
+#else
+  const int64_t key_tile = kKeyTile;
+#endif
   const int64_t padded = (count + key_tile - 1) / key_tile * key_tile;
   const int64_t table_row = std::clamp<int64_t>(p.row_seqs[job.first_row], 0, p.num_table_rows - 1);
   const int32_t* table = p.tables + table_row * p.table_width;
@@ -1099,15 +1172,6 @@ void AttendTile(const Problem<Page>& p, const TileJob& job, Scratch& scratch) {
   for (int64_t i = count; i < padded; ++i) key_rows[i] = key_rows[count - 1];  // scored, never weighted
   scratch.rows_valid = count;
 
-  auto& scores = scratch.tile_scores;  // [padded keys, kTileLanes]
-  scores.resize(padded * kTileLanes);
-  if (kBf16Products && p.bf16_products) {
-    TileBf16<DV>::Scores(p, job, padded, scratch, amx);
-    scratch.key_pairs_valid = count;
-  } else {
-    TileScores<DV>(p, job, padded, scratch);
-  }
-
   // Each lane's key range [start, kv_len), as positions relative to lo; unused lanes take lane 0's.
   IntVec ends[kTileVectors], starts[kTileVectors];
   for (int v = 0; v < kTileVectors; ++v) {
@@ -1118,6 +1182,23 @@ void AttendTile(const Problem<Page>& p, const TileJob& job, Scratch& scratch) {
       starts[v][l] = static_cast<int32_t>(start_of(kv_len) - lo);
     }
   }
+#if JAXSERVE_AMX
+  if (amx) {
+    TileBf16<DV>::AmxAttend(p, job, count, padded, starts, ends, scratch);
+    scratch.key_columns_valid = count;
+    return;
+  }
+#endif
+
+  auto& scores = scratch.tile_scores;  // [padded keys, kTileLanes]
+  scores.resize(padded * kTileLanes);
+  if (kBf16Products && p.bf16_products) {
+    TileBf16<DV>::Scores(p, job, padded, scratch);
+    scratch.key_pairs_valid = count;
+  } else {
+    TileScores<DV>(p, job, padded, scratch);
+  }
+
   // Keys [open_lo, open_hi) are in every lane's range (a causal tile's keys before its first token, all
   // of them but the last few): they skip the mask, and their exp the test for a masked key.
   int64_t open_lo = 0, open_hi = count;
@@ -1173,7 +1254,7 @@ void AttendTile(const Problem<Page>& p, const TileJob& job, Scratch& scratch) {
     for (int l = 0; l < kLanes; ++l) inv_sums[v * kLanes + l] = sum[v][l] > 0.0f ? 1.0f / sum[v][l] : 0.0f;
 
   if (kBf16Products && p.bf16_products) {
-    TileBf16<DV>::template WeightedSum<R>(p, job, count, scratch, amx);
+    TileBf16<DV>::template WeightedSum<R>(p, job, count, scratch);
     return;
   }
   if constexpr (kLanes == 8) {
