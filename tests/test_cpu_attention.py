@@ -173,6 +173,35 @@ def test_a_prompt_rows_output_does_not_depend_on_where_its_chunk_starts(backend,
     assert np.abs(out[cu[0] + start:cu[0] + 100]).max() > 0.1
 
 
+def test_a_prompt_tile_whose_later_keys_score_far_above_its_first_keys(matmul_path):
+    """cpu-bf16 prompt tiles on AMX take each lane's weights against the largest score of its first 128 keys
+    and go over the row again, against its own maximum, where a later score passes that by more than 8. Here
+    one key past the first 128 (position 200) is scaled up 40 times, so for some rows its score is more than
+    88 above every earlier one: against the first keys' maximum its weight would overflow float32 (a NaN
+    row). Every row must still agree with the reference on the same rounded operands."""
+    page_size, head_dim, group = 16, 64, 3
+    q, k, v, md, real_tokens = build_case([(300, 0)], page_size=page_size, head_dim=head_dim, group=group,
+                                          dtype="float32", seed=11)
+    tables = np.asarray(md.block_tables)
+    k = np.array(k)
+    page, slot = tables[0, 200 // page_size], 200 % page_size
+    k[LAYER, page, slot] *= 40.0
+    q16, k16, v16 = (to_page_dtype(jnp.asarray(x), "bfloat16") for x in (q, k, v))
+    scale = head_dim ** -0.5
+    keys = np.asarray(k16.astype(jnp.float32))[LAYER][tables[0, np.arange(300) // page_size], np.arange(300) % page_size]
+    queries = np.asarray(q16.astype(jnp.float32))[:300].reshape(300, -1, group, head_dim)
+    scores = np.einsum("nhgd,khd->nhgk", queries, keys) * scale  # [rows, KV heads, group, keys]
+    jump = scores[200:, :, :, 200] - scores[200:, :, :, :128].max(-1)
+    assert jump.max() > 90, "the case must be one where the first keys' maximum overflows a later weight"
+    attend = jax.jit(functools.partial(paged_attention, backend="cpu-bf16", scale=scale))
+    out = np.asarray(attend(q16.astype(jnp.float32), k16, v16, LAYER, md))[:real_tokens]
+    ref = np.asarray(pk.ragged_paged_attention_reference(q16.astype(jnp.float32), k16.astype(jnp.float32),
+                                                         v16.astype(jnp.float32), LAYER, md.cu_q_lens, md.kv_lens,
+                                                         md.block_tables, scale=scale))[:real_tokens]
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, atol=2e-2, rtol=2e-2)
+
+
 def rounded_decode_reference(q, k_pages, v_pages, md, num_rows, scale, window, soft_cap):
     """Decode rows as cpu-bf16 computes them over bfloat16 pages, in numpy: the scaled query rounded to
     bfloat16, float32 scores and softmax, the numerators rounded to bfloat16 before they weight the values,

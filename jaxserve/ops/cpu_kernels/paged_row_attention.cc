@@ -905,6 +905,8 @@ struct TileBf16 {
   // are masked, and its weights there are zero.
   static constexpr int64_t kRows = jaxserve::kAmxRows, kSteps = kHalfD / kRows;
   static constexpr int64_t kKeyPad = 2 * kRows;
+  static constexpr int64_t kReferenceKeys = 128;  // a lane's first keys, whose largest score its weights are taken against
+  static constexpr float kLazy = 8.0f;  // how far past that a later score may go before the row takes its own maximum
 
   // The pairs 16 c..16 c + 15 of a key's D / 2 (bfloat16 pages: as they lie).
   template <typename Page>
@@ -1055,28 +1057,50 @@ struct TileBf16 {
       if (p.soft_cap > 0.0f) {
         for (int64_t i = first; i < last; ++i) row[i] = p.soft_cap * std::tanh(row[i] / p.soft_cap);
       }
-      // vectors [open_lo, open_hi) lie inside the lane's range: no mask there
-      const int64_t open_lo = (first + kLanes - 1) / kLanes * kLanes, open_hi = last / kLanes * kLanes;
-      const auto masked = [&](int64_t i) {
+      // The weights exp(s - reference) of the keys [first, last), in the whole pairs of vectors [begin, end)
+      // that hold them, zero elsewhere. The reference is the largest score of the first kReferenceKeys: one
+      // pass over the rest, not two, unless a later score passes it by more than kLazy (weights then up to
+      // e^8, well inside float32's and bfloat16's range), which takes a second pass against the row's maximum.
+      const int64_t begin = first / (2 * kLanes) * (2 * kLanes), end = (last + 2 * kLanes - 1) / (2 * kLanes) * (2 * kLanes);
+      std::fill(w, w + begin / 2, 0u);
+      std::fill(w + end / 2, w + padded / 2, 0u);
+      const auto load_masked = [&](int64_t i) {
         const IntVec key = index + static_cast<int32_t>(i);
-        return (open_lo <= i && i < open_hi) ? Load(row + i) : (key >= first) & (key < last) ? Load(row + i) : Vec{} + kNegInf;
+        return (key >= first) & (key < last) ? Load(row + i) : Vec{} + kNegInf;
       };
       Vec seen = Vec{} + kNegInf;
-      for (int64_t i = 0; i < padded; i += kLanes) {
-        const Vec s = masked(i);
+      for (int64_t i = begin; i < std::min(end, begin + kReferenceKeys); i += kLanes) {
+        const Vec s = load_masked(i);
         seen = s > seen ? s : seen;
       }
-      const Vec m = Vec{} + _mm512_reduce_max_ps((__m512)seen);
-      Vec total = {};
-      for (int64_t i = 0; i < padded; i += 2 * kLanes) {
-        Vec e[2];
-        for (int h = 0; h < 2; ++h) {
-          const Vec s = masked(i + h * kLanes);
-          e[h] = s == kNegInf ? Vec{} : jaxserve::ExpNonPositiveForRounding(s == kNegInf ? Vec{} : s - m);
+      const auto weigh = [&](float reference) {
+        const Vec m = Vec{} + reference;
+        Vec total = {};
+        seen = Vec{} + kNegInf;
+        for (int64_t i = begin; i < end; i += 2 * kLanes) {
+          Vec e[2];
+          if (first <= i && i + 2 * kLanes <= last) {  // inside the range: no mask
+            for (int h = 0; h < 2; ++h) {
+              const Vec s = Load(row + i + h * kLanes);
+              seen = s > seen ? s : seen;
+              e[h] = jaxserve::ExpNonPositiveForRounding(s - m);
+            }
+          } else {
+            for (int h = 0; h < 2; ++h) {
+              const Vec s = load_masked(i + h * kLanes);
+              seen = s > seen ? s : seen;
+              e[h] = s == kNegInf ? Vec{} : jaxserve::ExpNonPositiveForRounding(s == kNegInf ? Vec{} : s - m);
+            }
+          }
+          total += e[0] + e[1];
+          StorePairs(w + i / 2, RowPairs(e[0], e[1]));
         }
-        total += e[0] + e[1];
-        StorePairs(w + i / 2, RowPairs(e[0], e[1]));
-      }
+        return total;
+      };
+      const float reference = _mm512_reduce_max_ps((__m512)seen);
+      Vec total = weigh(reference);
+      const float row_max = _mm512_reduce_max_ps((__m512)seen);
+      if (row_max > reference + kLazy) total = weigh(row_max);
       sum[lane] = _mm512_reduce_add_ps((__m512)total);
     }
     jaxserve::TileMemoryBarrier();  // the weights written above are read by tile loads
