@@ -7,10 +7,11 @@ Queues --num-prompts random prompts of --input-len tokens at once (greedy, `igno
 until every prompt is in and --warm-steps decode steps more have run, then traces --steps decode steps with
 JAX's profiler (asynchronous scheduling off, so each step runs alone). Each step's custom calls are taken in
 their order in the compiled step: per layer the packed matmul of q, k and v, the page write, the attention,
-o_proj, the gated MLP's gate and up, down_proj; then the LM head and, where the C++ kernels sample, the
-greedy token (`argmax`). Prints each one's median time a call and its share of the step, the weights' and
-KV pages' bytes a step and the rate each kernel read them at, beside
-the rate XLA's sum reads a 512 MiB array at here (profile_kernels.py's) and the step those two rates would
+o_proj, the gated MLP's gate and up, down_proj, and under bfloat16 matmuls the residual adds with the norms
+after them (`add + norm`, before qkv but in the first layer and before gate_up); then the LM head and, where
+the C++ kernels sample, the greedy token (`argmax`). Prints each one's median time a call and its share of
+the step, the weights' and KV pages' bytes a step and the rate each kernel read them at, beside the rate
+XLA's sum reads a 512 MiB array at here (profile_kernels.py's) and the step those two rates would
 give. Needs the C++ matmul and attention on every layer (a CPU's defaults, `cpu-bf16` or `--quantization`);
 for other backends the custom calls do not follow that order and the script stops saying so.
 """
@@ -34,11 +35,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_kernels import measure_read_bandwidth  # noqa: E402
 
 LAYER_CALLS = ("qkv", "write pages", "attention", "o_proj", "gate_up", "down_proj")
+NORM = "add + norm"  # cpu_ffi.add_rms_norm, under bfloat16 matmuls: before qkv (but in the first layer) and gate_up
+
+
+def layer_call_names(num_layers: int, fused_norms: bool) -> list[str]:
+    """The model's custom calls of one step in order, the LM head last."""
+    names = []
+    for layer in range(num_layers):
+        if fused_norms and layer > 0:
+            names.append(NORM)
+        names += ["qkv", "write pages", "attention", "o_proj"] + [NORM] * fused_norms + ["gate_up", "down_proj"]
+    return names + ["lm_head"]
 
 
 def step_calls(trace_file: Path, num_layers: int) -> tuple[list[float], dict[str, list[float]]]:
-    """Each traced step's span (ms) and, per custom call of LAYER_CALLS + the LM head (+ the sampler's argmax),
-    its times (us)."""
+    """Each traced step's span (ms) and, per custom call of LAYER_CALLS (and the fused residual adds and
+    norms where the step makes them) + the LM head (+ the sampler's argmax), its times (us)."""
     events = json.load(gzip.open(trace_file))["traceEvents"]
     steps: dict[str, list[dict]] = collections.OrderedDict()
     for event in sorted((e for e in events if e.get("ph") == "X"), key=lambda e: e["ts"]):
@@ -46,18 +58,19 @@ def step_calls(trace_file: Path, num_layers: int) -> tuple[list[float], dict[str
         if "batch_step" in args.get("hlo_module", ""):
             steps.setdefault(args["run_id"], []).append(event)
     spans, calls = [], collections.defaultdict(list)
+    layouts = [layer_call_names(num_layers, fused) for fused in (False, True)]
     for ops in steps.values():
         custom = [e for e in ops if e["name"].startswith("ffi_call")]
-        model_calls = len(LAYER_CALLS) * num_layers + 1
-        if len(custom) not in (model_calls, model_calls + 1):
-            raise SystemExit(f"a step made {len(custom)} custom calls, not {len(LAYER_CALLS)} a layer, the LM "
-                             "head and the sampler's: this script needs the C++ matmul and attention on every layer")
+        names = next((n for n in layouts if len(custom) in (len(n), len(n) + 1)), None)
+        if names is None:
+            raise SystemExit(f"a step made {len(custom)} custom calls, not {len(LAYER_CALLS)} a layer (and the fused "
+                             "adds and norms), the LM head and the sampler's: this script needs the C++ matmul and "
+                             "attention on every layer")
         spans.append((ops[-1]["ts"] + ops[-1]["dur"] - ops[0]["ts"]) / 1e3)
-        for i, event in enumerate(custom[:model_calls - 1]):
-            calls[LAYER_CALLS[i % len(LAYER_CALLS)]].append(event["dur"])
-        calls["lm_head"].append(custom[model_calls - 1]["dur"])
-        if len(custom) > model_calls:  # the greedy token (sampling.cpu_argmax)
-            calls["argmax"].append(custom[model_calls]["dur"])
+        for name, event in zip(names, custom):
+            calls[name].append(event["dur"])
+        if len(custom) > len(names):  # the greedy token (sampling.cpu_argmax)
+            calls["argmax"].append(custom[len(names)]["dur"])
     return spans, calls
 
 

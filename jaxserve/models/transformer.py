@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.ops import cpu_ffi
 from jaxserve.ops.attention import AttentionMetadata
 from jaxserve.ops.attention_backends import paged_attention, write_kv
 from jaxserve.config.model_config import ModelConfig
@@ -34,6 +35,18 @@ def rms_norm(x, weight, eps: float):
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (normed * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def _add_and_norm(h, add, weight, eps: float, fused: bool):
+    """(h + add, rms_norm of it); add None: (h, rms_norm(h)). fused: one C++ kernel call on XLA:CPU
+    (cpu_ffi.add_rms_norm), the norm coming out rounded to bfloat16, as the next bfloat16 matmul takes it
+    (XLA ran the add, the mean's reduction and the scaling with its conversion as three passes over [T, E])."""
+    if add is None:
+        return h, rms_norm(h, weight, eps)
+    if fused:
+        return cpu_ffi.add_rms_norm(h, add, weight, eps)
+    h = h + add
+    return h, rms_norm(h, weight, eps)
 
 
 def rope_tables(inv_freq: np.ndarray, positions):
@@ -176,12 +189,15 @@ def _all_reduce(x, axis: str | None):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sliding", "q_tile", "kv_tile", "attention_backend",
                                              "decode_only", "axis", "lora_branches", "lora_rank"))
-def _layer(h, k_pages, v_pages, lp, layer, cos, sin, md: AttentionMetadata, lora=None, *, cfg: ModelConfig,
+def _layer(h, pending, k_pages, v_pages, lp, layer, cos, sin, md: AttentionMetadata, lora=None, *, cfg: ModelConfig,
            sliding: bool, q_tile: int, kv_tile: int, attention_backend: str, decode_only: bool, axis: str | None,
            lora_branches: bool = True, lora_rank: int | None = None):
-    """One decoder layer. Jitted on its own so that tracing and lowering happen once per step
-    function, not once per layer; XLA still inlines it into each layer's place. Under tensor
-    parallelism cfg is one device's share and the two all-reduces are the layer's only communication.
+    """One decoder layer: h + pending (the layer before's MLP output, or None) in, and (h, this layer's
+    MLP output) out, the output not yet added, so that each residual add goes with the norm after it
+    (`_add_and_norm`: one C++ call where the layer's matmuls take bfloat16 activations on XLA:CPU). Jitted on
+    its own so that tracing and lowering happen once per step function, not once per layer; XLA still
+    inlines it into each layer's place. Under tensor parallelism cfg is one device's share and the two
+    all-reduces are the layer's only communication.
     lora: (the layer's adapter slots, mask [T, S * r], whether any token uses an adapter) or None
     (ops/lora.py); each delta is added to its projection's output (before the all-reduce). lora_rank: the
     mask is each token's slot [T], for the C++ kernel (ops/lora.TokenSlots) of slots of that rank."""
@@ -195,7 +211,10 @@ def _layer(h, k_pages, v_pages, lp, layer, cos, sin, md: AttentionMetadata, lora
     num_tokens = h.shape[0]
     rows = md.cu_q_lens[-1]  # the real tokens; the packed CPU matmul skips the padding below them
     q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+    # The fused add and norm round the norm to bfloat16 for the matmuls; LoRA's deltas read it unrounded.
+    fused = (lora is None and h.dtype == jnp.float32 and kernel_input_dtype(lp["w_qkv"]) == jnp.bfloat16
+             and kernel_input_dtype(lp["w_gate_up"]) == jnp.bfloat16)
+    h, x = _add_and_norm(h, pending, lp["attn_norm"], cfg.rms_norm_eps, fused)
     qkv = lora_added(matmul(x, lp["w_qkv"], rows),
                      lambda y: y + fused_delta(x, weights, QKV, mask).astype(y.dtype))
     if cfg.attention_bias:
@@ -224,14 +243,13 @@ def _layer(h, k_pages, v_pages, lp, layer, cos, sin, md: AttentionMetadata, lora
                                  lambda y: y + delta(attn, *weights["o_proj"], mask).astype(y.dtype)), axis)
     if cfg.sandwich_norm:
         out = rms_norm(out, lp["post_attn_norm"], cfg.rms_norm_eps)
-    h = h + out
-    x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+    h, x = _add_and_norm(h, out, lp["mlp_norm"], cfg.rms_norm_eps, fused)
     mlp = functools.partial(_mlp, cfg, lp, x, rows)
     out = _all_reduce(mlp() if lora is None else with_lora(mlp, lambda: mlp(weights, mask), active, lora_branches),
                       axis)
     if cfg.sandwich_norm:
         out = rms_norm(out, lp["post_mlp_norm"], cfg.rms_norm_eps)
-    return h + out, k_pages, v_pages
+    return h, out, k_pages, v_pages
 
 
 def forward(
@@ -278,14 +296,17 @@ def forward(
     local_rope = ropes.get("local_rope", global_rope)
     k_pages, v_pages = kv_cache
     lora_active = None if lora_mask is None else jnp.any(lora_mask != 0)
+    pending = None  # the layer before's MLP output, added by the next layer with its norm
     for layer_id, lp in enumerate(params["layers"]):
         sliding = bool(cfg.layer_is_sliding[layer_id])
         lora = None if lora_mask is None else (params["lora"][layer_id], lora_mask, lora_active)
-        h, k_pages, v_pages = _layer(
-            h, k_pages, v_pages, lp, jnp.int32(layer_id), *(local_rope if sliding else global_rope), md, lora,
+        h, pending, k_pages, v_pages = _layer(
+            h, pending, k_pages, v_pages, lp, jnp.int32(layer_id), *(local_rope if sliding else global_rope), md, lora,
             cfg=cfg, sliding=sliding, q_tile=q_tile, kv_tile=kv_tile, attention_backend=attention_backend,
             decode_only=decode_only, axis=axis, lora_branches=lora_branches, lora_rank=lora_rank,
         )
+    if pending is not None:
+        h = h + pending
 
     logits = lm_head_logits(params, cfg, h[logits_indices])
     if return_hidden:

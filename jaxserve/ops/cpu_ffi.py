@@ -13,8 +13,11 @@
 - `truncation_threshold` and `argmax_rows` (`cpu_kernels/truncation.cc`): the sampler's top-k / top-p
   threshold of each row, where XLA's reductions take dozens of passes over the vocabulary, and its greedy
   token in one pass over the row, where XLA's takes two; their Python side is `ops/sampling.py`.
+- `add_rms_norm` (`cpu_kernels/residual_norm.cc`): a decoder layer's residual add and the RMSNorm after it,
+  rounded to bfloat16 for the next bfloat16 matmul, in one pass over each row where XLA ran three
+  operations; its user is `models/transformer.py`.
 
-All four spread their work over XLA's own intra-op threads. They need a C++ compiler (`c++`, or $CXX)
+All five spread their work over XLA's own intra-op threads. They need a C++ compiler (`c++`, or $CXX)
 once: the library is cached under ~/.cache/jaxserve/kernels (JAXSERVE_KERNEL_CACHE moves it), keyed
 by everything that decides the machine code (`cache_key`): the sources, the compiler and its flags,
 the jax version, and the CPU's instruction-set features, since `-march=native` builds for this CPU
@@ -68,7 +71,7 @@ from jaxserve.config import cache_dirs
 logger = logging.getLogger(__name__)
 KERNELS_DIR = Path(__file__).parent / "cpu_kernels"
 SOURCES = (KERNELS_DIR / "paged_row_attention.cc", KERNELS_DIR / "packed_matmul.cc", KERNELS_DIR / "lora_bgmv.cc",
-           KERNELS_DIR / "truncation.cc")
+           KERNELS_DIR / "truncation.cc", KERNELS_DIR / "residual_norm.cc")
 HEADERS = (KERNELS_DIR / "parallel_for.h", KERNELS_DIR / "vec_math.h", KERNELS_DIR / "amx.h")
 TARGETS = {  # FFI target -> handler symbol
     "jaxserve_paged_row_attention": "JaxservePagedRowAttention",
@@ -92,6 +95,7 @@ TARGETS = {  # FFI target -> handler symbol
     "jaxserve_lora_bgmv_bf16": "JaxserveLoraBgmvBf16",
     "jaxserve_truncation_threshold": "JaxserveTruncationThreshold",
     "jaxserve_argmax_rows": "JaxserveArgmaxRows",
+    "jaxserve_add_rms_norm": "JaxserveAddRmsNorm",
 }
 # The attention kernel's and the page writer's FFI targets by page dtype (float32 pages are written by XLA).
 _PAGE_SUFFIX = {jnp.dtype(jnp.float32): "", jnp.dtype(jnp.bfloat16): "_bf16_pages",
@@ -396,3 +400,14 @@ def write_pages(k_pages, v_pages, layer, k, v, slot_mapping):
                             input_output_aliases={0: 0, 1: 1})
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     return call(k_pages, v_pages, k.astype(jnp.float32), v.astype(jnp.float32), i32(layer), i32(slot_mapping))
+
+
+def add_rms_norm(h, add, weight, eps: float):
+    """(h + add, rms_norm(h + add, weight, eps) rounded to bfloat16) for h, add [T, E] and weight [E], in one
+    kernel call (cpu_kernels/residual_norm.cc): the sum in float32, the norm as `transformer.rms_norm`
+    computes it in float32 (its mean summed in another order), rounded to nearest even. The sum takes h's
+    buffer where XLA can give it."""
+    f32 = jnp.float32
+    out = (jax.ShapeDtypeStruct(h.shape, f32), jax.ShapeDtypeStruct(h.shape, jnp.bfloat16))
+    call = jax.ffi.ffi_call("jaxserve_add_rms_norm", out, input_output_aliases={0: 0})
+    return call(h.astype(f32), add.astype(f32), weight.astype(f32), eps=np.float32(eps))

@@ -98,6 +98,7 @@ using jaxserve::IntVec;
 using jaxserve::kLanes;
 using jaxserve::Load;
 using jaxserve::Store;
+using jaxserve::StoreBf16;
 using jaxserve::Vec;
 
 // AVX-512: 8 rows x 3 accumulator vectors and 3 weight vectors of 32 registers. AVX2 has 16: 2 rows x 6
@@ -371,16 +372,6 @@ void Tile(const Problem<T>& p, int64_t row, int64_t panel, int64_t columns, cons
       std::memcpy(out, values, columns * sizeof(float));
     }
   }
-}
-
-// v rounded to bfloat16 (to nearest even, as XLA's convert rounds; NaN stays NaN) into out[0..kLanes-1].
-inline void StoreBf16(uint16_t* out, Vec v) {
-  jaxserve::UintVec bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  const jaxserve::UintVec rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  const auto nan = (jaxserve::UintVec)((bits & 0x7fffffffu) > 0x7f800000u);  // all ones where v is NaN
-  const jaxserve::UintVec result = (rounded & ~nan) | (((bits >> 16) | 0x40u) & nan);
-  *reinterpret_cast<jaxserve::UnalignedBf16Vec*>(out) = __builtin_convertvector(result, jaxserve::UnalignedBf16Vec);
 }
 
 // The gated output for row `row` + r and vector j of gate panel `panel`: silu(gate + add) * (up + add).

@@ -1012,6 +1012,19 @@ struct TileBf16 {
     jaxserve::TileMemoryBarrier();  // the caller reads out
   }
 
+  // The largest lane and the sum of the lanes (GCC 12's _mm512_reduce_* draw -Wmaybe-uninitialized, which the
+  // build would print to every user).
+  static float ReduceMax(Vec v) {
+    float m = v[0];
+    for (int l = 1; l < kLanes; ++l) m = std::max(m, v[l]);
+    return m;
+  }
+  static float ReduceAdd(Vec v) {
+    float sum = 0.0f;
+    for (int l = 0; l < kLanes; ++l) sum += v[l];
+    return sum;
+  }
+
   // Two vectors of weights (keys i..i + 15 and i + 16..i + 31 of a lane) as 16 pairs of consecutive keys.
   // vcvtne2ps2bf16 rounds to nearest even, as Pairs does, but flushes subnormals to zero: weights below
   // 2^-126 of the lane's largest, which add nothing a bfloat16 sum keeps.
@@ -1097,11 +1110,11 @@ struct TileBf16 {
         }
         return total;
       };
-      const float reference = _mm512_reduce_max_ps((__m512)seen);
+      const float reference = ReduceMax(seen);
       Vec total = weigh(reference);
-      const float row_max = _mm512_reduce_max_ps((__m512)seen);
+      const float row_max = ReduceMax(seen);
       if (row_max > reference + kLazy) total = weigh(row_max);
-      sum[lane] = _mm512_reduce_add_ps((__m512)total);
+      sum[lane] = ReduceAdd(total);
     }
     jaxserve::TileMemoryBarrier();  // the weights written above are read by tile loads
     AmxWeightedSum(weights.data(), scratch.value_pairs.data(), padded / 2, out.data());

@@ -48,6 +48,15 @@ inline Vec Load(const Bf16* x) {
   __builtin_memcpy(&v, &bits, sizeof(v));
   return v;
 }
+// v rounded to bfloat16 (to nearest even, as XLA's convert rounds; NaN stays NaN) into out[0..kLanes-1].
+inline void StoreBf16(Bf16* out, Vec v) {
+  UintVec bits;
+  __builtin_memcpy(&bits, &v, sizeof(bits));
+  const UintVec rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const auto nan = (UintVec)((bits & 0x7fffffffu) > 0x7f800000u);  // all ones where v is NaN
+  const UintVec result = (rounded & ~nan) | (((bits >> 16) | 0x40u) & nan);
+  *reinterpret_cast<UnalignedBf16Vec*>(out) = __builtin_convertvector(result, UnalignedBf16Vec);
+}
 inline float Widen(float x) { return x; }
 inline float Widen(Bf16 x) {
   const uint32_t bits = static_cast<uint32_t>(x) << 16;
