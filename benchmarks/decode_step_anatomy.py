@@ -8,7 +8,7 @@ until every prompt is in and --warm-steps decode steps more have run, then trace
 JAX's profiler (asynchronous scheduling off, so each step runs alone). Each step's custom calls are taken in
 their order in the compiled step: per layer the packed matmul of q, k and v, the page write, the attention,
 o_proj, the gated MLP's gate and up, down_proj, and under bfloat16 matmuls the residual adds with the norms
-after them (`add + norm`, before qkv but in the first layer and before gate_up); then the LM head and, where
+after them (`add + norm`, before qkv and before gate_up); then the LM head and, where
 the C++ kernels sample, the greedy token (`argmax`). Prints each one's median time a call and its share of
 the step, the weights' and KV pages' bytes a step and the rate each kernel read them at, beside the rate
 XLA's sum reads a 512 MiB array at here (profile_kernels.py's) and the step those two rates would
@@ -35,16 +35,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_kernels import measure_read_bandwidth  # noqa: E402
 
 LAYER_CALLS = ("qkv", "write pages", "attention", "o_proj", "gate_up", "down_proj")
-NORM = "add + norm"  # cpu_ffi.add_rms_norm, under bfloat16 matmuls: before qkv (but in the first layer) and gate_up
+NORM = "add + norm"  # cpu_ffi.add_rms_norm, under bfloat16 matmuls: before qkv and before gate_up
 
 
 def layer_call_names(num_layers: int, fused_norms: bool) -> list[str]:
     """The model's custom calls of one step in order, the LM head last."""
     names = []
-    for layer in range(num_layers):
-        if fused_norms and layer > 0:
-            names.append(NORM)
-        names += ["qkv", "write pages", "attention", "o_proj"] + [NORM] * fused_norms + ["gate_up", "down_proj"]
+    for _ in range(num_layers):
+        names += [NORM] * fused_norms + ["qkv", "write pages", "attention", "o_proj"]
+        names += [NORM] * fused_norms + ["gate_up", "down_proj"]
     return names + ["lm_head"]
 
 

@@ -192,8 +192,8 @@ def test_the_kernel_profile_sorts_perf_samples_into_kernels():
 
 def test_the_decode_step_anatomy_names_each_custom_call_by_its_place_in_the_layer(tmp_path):
     """benchmarks/decode_step_anatomy.py: a step's custom calls, in time order, are the layers' six (qkv, page
-    write, attention, o_proj, gate_up, down_proj; with the fused residual adds and norms, eight but in the first
-    layer) and then the LM head; other modules' events and the step's XLA fusions are left out; a step with
+    write, attention, o_proj, gate_up, down_proj; with the fused residual adds and norms, eight) and then the
+    LM head; other modules' events and the step's XLA fusions are left out; a step with
     any other number of custom calls stops the script."""
     import gzip
     import importlib.util
@@ -228,13 +228,13 @@ def test_the_decode_step_anatomy_names_each_custom_call_by_its_place_in_the_laye
     with pytest.raises(SystemExit, match="made 13 custom calls"):
         module.step_calls(trace, num_layers=3)
 
-    # under bfloat16 matmuls: the residual adds with their norms, before gate_up and (but in the first layer)
-    # before qkv, and the sampler's greedy token after the LM head
-    fused = [10.0, 1.0, 50.0, 5.0, 3.0, 20.0, 8.0, 4.0, 10.0, 1.0, 50.0, 5.0, 3.0, 20.0, 8.0, 300.0, 2.0]
+    # under bfloat16 matmuls: the residual adds with their norms, before qkv and before gate_up, and the
+    # sampler's greedy token after the LM head
+    fused = [6.0, 10.0, 1.0, 50.0, 5.0, 3.0, 20.0, 8.0, 4.0, 10.0, 1.0, 50.0, 5.0, 3.0, 20.0, 8.0, 300.0, 2.0]
     with gzip.open(trace, "wt") as f:
         json.dump({"traceEvents": step("7", 0.0, fused)}, f)
     spans, calls = module.step_calls(trace, num_layers=2)
-    assert calls[module.NORM] == [3.0, 4.0, 3.0] and calls["gate_up"] == [20.0, 20.0]
+    assert calls[module.NORM] == [6.0, 3.0, 4.0, 3.0] and calls["gate_up"] == [20.0, 20.0]
     assert calls["lm_head"] == [300.0] and calls["argmax"] == [2.0]
 
 

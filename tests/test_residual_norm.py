@@ -65,8 +65,7 @@ def _generate(llm):
 
 def test_bfloat16_matmuls_take_each_layers_adds_and_norms_in_one_call_and_float32_keeps_xla(
         tiny_model_dir, monkeypatch):
-    """cpu-bf16: every step executable calls the kernel twice a layer but for the first layer's first norm
-    (nothing to add yet), and its tokens and log-probabilities are those of the same engine with XLA's add
+    """cpu-bf16: every step executable calls the kernel twice a layer (the first layer adding zeros), and its tokens and log-probabilities are those of the same engine with XLA's add
     and norm rounded to bfloat16 in the kernel's place. matmul_backend "cpu" (float32 weights, the parity
     mode) never calls it."""
     llm = _engine(tiny_model_dir, "cpu-bf16")
@@ -74,7 +73,7 @@ def test_bfloat16_matmuls_take_each_layers_adds_and_norms_in_one_call_and_float3
     runner = llm.engine.runner
     for kind, buckets in (("decode", runner.decode_buckets), ("prefill", runner.prefill_buckets)):
         for bucket in buckets:
-            assert runner.compiled_text(kind, bucket).count(TARGET) == 2 * layers - 1, (kind, bucket)
+            assert runner.compiled_text(kind, bucket).count(TARGET) == 2 * layers, (kind, bucket)
     tokens, logprobs = _generate(llm)
 
     monkeypatch.setattr(transformer.cpu_ffi, "add_rms_norm", _xla_add_and_norm)

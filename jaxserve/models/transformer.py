@@ -38,11 +38,9 @@ def rms_norm(x, weight, eps: float):
 
 
 def _add_and_norm(h, add, weight, eps: float, fused: bool):
-    """(h + add, rms_norm of it); add None: (h, rms_norm(h)). fused: one C++ kernel call on XLA:CPU
-    (cpu_ffi.add_rms_norm), the norm coming out rounded to bfloat16, as the next bfloat16 matmul takes it
-    (XLA ran the add, the mean's reduction and the scaling with its conversion as three passes over [T, E])."""
-    if add is None:
-        return h, rms_norm(h, weight, eps)
+    """(h + add, rms_norm of it). fused: one C++ kernel call on XLA:CPU (cpu_ffi.add_rms_norm), the norm
+    coming out rounded to bfloat16, as the next bfloat16 matmul takes it (XLA ran the add, the mean's
+    reduction and the scaling with its conversion as three passes over [T, E])."""
     if fused:
         return cpu_ffi.add_rms_norm(h, add, weight, eps)
     h = h + add
@@ -192,10 +190,10 @@ def _all_reduce(x, axis: str | None):
 def _layer(h, pending, k_pages, v_pages, lp, layer, cos, sin, md: AttentionMetadata, lora=None, *, cfg: ModelConfig,
            sliding: bool, q_tile: int, kv_tile: int, attention_backend: str, decode_only: bool, axis: str | None,
            lora_branches: bool = True, lora_rank: int | None = None):
-    """One decoder layer: h + pending (the layer before's MLP output, or None) in, and (h, this layer's
-    MLP output) out, the output not yet added, so that each residual add goes with the norm after it
-    (`_add_and_norm`: one C++ call where the layer's matmuls take bfloat16 activations on XLA:CPU). Jitted on
-    its own so that tracing and lowering happen once per step function, not once per layer; XLA still
+    """One decoder layer: h + pending (the layer before's MLP output; zeros before the first) in, and (h,
+    this layer's MLP output) out, the output not yet added, so that each residual add goes with the norm
+    after it (`_add_and_norm`: one C++ call where the layer's matmuls take bfloat16 activations on XLA:CPU).
+    Jitted on its own so that tracing and lowering happen once per step function, not once per layer; XLA still
     inlines it into each layer's place. Under tensor parallelism cfg is one device's share and the two
     all-reduces are the layer's only communication.
     lora: (the layer's adapter slots, mask [T, S * r], whether any token uses an adapter) or None
@@ -296,7 +294,9 @@ def forward(
     local_rope = ropes.get("local_rope", global_rope)
     k_pages, v_pages = kv_cache
     lora_active = None if lora_mask is None else jnp.any(lora_mask != 0)
-    pending = None  # the layer before's MLP output, added by the next layer with its norm
+    # The layer before's MLP output, added by the next layer with its norm; zeros before the first layer (XLA
+    # drops that add where it runs it), so that every layer traces to one function.
+    pending = jnp.zeros_like(h)
     for layer_id, lp in enumerate(params["layers"]):
         sliding = bool(cfg.layer_is_sliding[layer_id])
         lora = None if lora_mask is None else (params["lora"][layer_id], lora_mask, lora_active)
@@ -305,8 +305,7 @@ def forward(
             cfg=cfg, sliding=sliding, q_tile=q_tile, kv_tile=kv_tile, attention_backend=attention_backend,
             decode_only=decode_only, axis=axis, lora_branches=lora_branches, lora_rank=lora_rank,
         )
-    if pending is not None:
-        h = h + pending
+    h = h + pending
 
     logits = lm_head_logits(params, cfg, h[logits_indices])
     if return_hidden:
