@@ -31,7 +31,8 @@ using jaxserve::Vec;
 
 constexpr int64_t kRowsPerItem = 16;
 
-// x rounded to bfloat16 bits, as StoreBf16 rounds each lane.
+// x rounded to bfloat16 bits, as StoreBf16 rounds each lane (but for float32 subnormals, which StoreBf16
+// flushes to zero on a CPU with AVX512-BF16).
 Bf16 RoundBf16(float x) {
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof(bits));

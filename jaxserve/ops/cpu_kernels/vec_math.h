@@ -49,13 +49,19 @@ inline Vec Load(const Bf16* x) {
   return v;
 }
 // v rounded to bfloat16 (to nearest even, as XLA's convert rounds; NaN stays NaN) into out[0..kLanes-1].
+// With AVX512-BF16 one vcvtneps2bf16, which rounds the same way but flushes float32 subnormals (below
+// 2^-126) to zero: values no activation rounded here comes near.
 inline void StoreBf16(Bf16* out, Vec v) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh((__m512)v));
+#else
   UintVec bits;
   __builtin_memcpy(&bits, &v, sizeof(bits));
   const UintVec rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
   const auto nan = (UintVec)((bits & 0x7fffffffu) > 0x7f800000u);  // all ones where v is NaN
   const UintVec result = (rounded & ~nan) | (((bits >> 16) | 0x40u) & nan);
   *reinterpret_cast<UnalignedBf16Vec*>(out) = __builtin_convertvector(result, UnalignedBf16Vec);
+#endif
 }
 inline float Widen(float x) { return x; }
 inline float Widen(Bf16 x) {
