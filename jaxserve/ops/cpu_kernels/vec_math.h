@@ -120,4 +120,20 @@ inline Vec Silu(Vec x) {
   return (x < 0.0f ? x * e : x) / (1.0f + e);
 }
 
+#ifdef __AVX512F__
+// silu(x) for a product that is rounded to bfloat16 or multiplied by bfloat16 weights next: exp(-|x|) by
+// ExpNonPositiveForRounding (about 3e-6 relative) and 1 / (1 + e) by vrcp14ps with one Newton step (about
+// 1e-7), no division: Silu's vdivps and exact exp were most of the gated matmul's epilogue.
+inline Vec SiluForRounding(Vec x) {
+  const Vec a = x < 0.0f ? x : -x;  // -|x|, held above -126 (ExpNonPositiveForRounding takes no -inf)
+  const Vec e = ExpNonPositiveForRounding(a < -126.0f ? Vec{} - 126.0f : a);
+  const Vec d = 1.0f + e;
+  Vec r = (Vec)_mm512_maskz_rcp14_ps(0xffff, (__m512)d);
+  r = r * (2.0f - d * r);
+  return (x < 0.0f ? x * e : x) * r;
+}
+#else
+inline Vec SiluForRounding(Vec x) { return Silu(x); }
+#endif
+
 }  // namespace jaxserve
