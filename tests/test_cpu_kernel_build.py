@@ -239,3 +239,23 @@ def test_the_tile_units_matmul_keeps_both_its_prefetches():
         weights = "tileloaddt1" if name.startswith("AmxPair") else "prefetcht0"
         assert {weights, "prefetcht2"} <= mnemonics, (name, sorted(mnemonics))
         assert ("tdpbsud" if "U8Quads" in name else "tdpbf16ps") in mnemonics, (name, sorted(mnemonics))
+
+
+@pytest.mark.skipif(shutil.which("c++") is None or os.uname().machine != "x86_64",
+                    reason="needs a C++ compiler (c++ on PATH) on x86-64")
+@pytest.mark.parametrize("march", ["haswell", "cooperlake", "sapphirerapids"])
+def test_the_kernels_build_without_a_warning_for_each_x86_kind_users_have(march):
+    """Each user's machine builds the kernels for itself (-march=native) and logs whatever the compiler
+    warns. For the three kinds of x86 CPU the kernels have code for, AVX2 only (haswell), AVX512-BF16
+    without AMX (cooperlake) and AMX (sapphirerapids), every source compiles, optimised, without one
+    warning: a warning in the code one kind leaves out (an AMX-only variable on the others) reaches only
+    those users' logs."""
+    import jax
+
+    flags = [f"-march={march}" if flag.startswith("-march") else flag for flag in cpu_ffi.FLAGS if flag != "-shared"]
+    runs = [subprocess.Popen([os.environ.get("CXX", "c++"), *flags, "-isystem", jax.ffi.include_dir(), "-c",
+                              str(source), "-o", os.devnull], stderr=subprocess.PIPE, text=True)
+            for source in cpu_ffi.SOURCES]
+    for source, run in zip(cpu_ffi.SOURCES, runs):
+        stderr = run.communicate(timeout=600)[1]
+        assert run.returncode == 0 and not stderr.strip(), f"{source.name} for {march}:\n{stderr[-2000:]}"

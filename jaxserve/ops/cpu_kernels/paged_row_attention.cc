@@ -1187,9 +1187,9 @@ void AttendTile(const Problem<Page>& p, const TileJob& job, Scratch& scratch) {
   const int64_t last_kv_len = std::min<int64_t>(first_kv_len + job.tokens - 1, cap);
   const auto start_of = [&](int64_t kv_len) { return p.window > 0 ? std::max<int64_t>(kv_len - p.window, 0) : 0; };
   const int64_t lo = start_of(first_kv_len), count = last_kv_len - lo;
-  // bfloat16 products on AMX tiles where the kernels use them (TileBf16::AmxAttend)
-  const bool amx = kBf16Products && p.bf16_products && JAXSERVE_AMX && JaxserveAmxInUse();
 #if JAXSERVE_AMX
+  // bfloat16 products on AMX tiles where the kernels use them (TileBf16::AmxAttend)
+  const bool amx = kBf16Products && p.bf16_products && JaxserveAmxInUse();
   const int64_t key_tile = amx ? TileBf16<DV>::kKeyPad : kKeyTile;
 #else
   const int64_t key_tile = kKeyTile;
