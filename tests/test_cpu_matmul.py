@@ -275,7 +275,7 @@ def test_bfloat16_gated_matmul_and_row_cut(rows, matmul_path):
 
 
 @needs_kernels
-def test_the_gated_silu_of_narrower_weights_is_exact_to_a_few_millionths_over_its_whole_range(matmul_path):
+def test_the_gated_silu_of_narrower_weights_is_within_a_hundred_thousandth_of_float64_over_its_range(matmul_path):
     """Under bfloat16 (and int8, fp8) weights the gated kernel's silu takes a cheaper exp and no division
     (SiluForRounding): against float64 within 1e-5 relative for gates from -120 to 120, tiny and zero,
     each gate a weight read back through an identity x, each up 1. Absolutely within 1e-30: below gates of
@@ -291,7 +291,7 @@ def test_the_gated_silu_of_narrower_weights_is_exact_to_a_few_millionths_over_it
     expected = gate * np.exp(-np.logaddexp(0.0, -gate))  # silu, without overflow
     packed = jax.device_put(PackedWeight.pack(w, dtype=jnp.bfloat16))
     out = np.asarray(jax.jit(silu_gated_matmul)(jnp.asarray(x), packed)).astype(np.float64)
-    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-30)  # float32 ends near 1e-38
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-30)
 
 
 def test_bfloat16_packing_in_jax_and_numpy_agree_and_columns_are_an_embedding_lookup():
