@@ -20,7 +20,9 @@ import pytest
 import pallas_kernels as pk
 from jaxserve.ops import cpu_ffi
 from jaxserve.ops.attention import ragged_paged_attention, to_page_dtype
-from jaxserve.ops.attention_backends import paged_attention, resolve_attention_backend, write_kv
+from jaxserve.models.transformer import apply_rope, rope_tables
+from jaxserve.ops.attention_backends import (paged_attention, resolve_attention_backend, rope_and_write_kv,
+                                              write_kv)
 from jaxserve.config.model_config import ModelConfig, RopeConfig
 from jaxserve.config.engine_config import EngineConfig
 from test_pallas_attention import LAYER, build_case, decode_lengths, ragged_lengths
@@ -108,6 +110,47 @@ def test_the_c_page_writer_writes_what_xlas_scatter_writes_in_place(page_dtype):
     for a, b, before in zip(ours, xla, (k0, v0)):
         np.testing.assert_array_equal(np.asarray(a).view(bits), np.asarray(b).view(bits))
         assert (np.asarray(a) != np.asarray(before)).reshape(3, -1).any(-1).tolist() == [False, True, False]
+
+
+@pytest.mark.parametrize("page_dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (6, 2, 128)])
+def test_the_fused_rope_and_page_writer_rotates_as_specified_and_writes_as_the_writer(page_dtype, heads, kv_heads,
+                                                                                     head_dim):
+    """rope_and_write_kv (one C++ call under the C++ backends, in place of the qkv slices, apply_rope and
+    write_kv): q is the rope's rotation of the halves, each half x1 c - x2 s and x2 c + x1 s as one fused
+    multiply-add onto the other product (computed here exactly in float64, rounded once), bit for bit; k
+    rotated the same way and v land in the pages as the C++ writer writes them, in the given slots of the
+    given layer only; padding rows that share a slot of the dummy page keep the later row's values, as
+    the writer does, though rows 16 slots apart go to different threads' work items."""
+    rng = np.random.default_rng(7)
+    tokens, pages, page_size, layers = 70, 12, 16, 3
+    shape = (layers, pages, page_size, kv_heads, head_dim)
+    k0 = jnp.asarray(rng.standard_normal(shape), page_dtype)
+    v0 = jnp.asarray(rng.standard_normal(shape), page_dtype)
+    qkv = (rng.standard_normal((tokens, (heads + 2 * kv_heads) * head_dim)) * 4).astype(np.float32)
+    positions = jnp.asarray(rng.integers(0, 8192, tokens), jnp.int32)
+    cos, sin = (np.asarray(t) for t in rope_tables(RopeConfig(theta=100000.0).inv_freq(head_dim), positions))
+    real = 38  # distinct slots in pages 3-11; the padding rows' slots repeat every 16 in page 0
+    slots = np.concatenate([rng.permutation(np.arange(3 * page_size, pages * page_size))[:real],
+                            np.arange(tokens - real) % page_size]).astype(np.int32)
+    q, k_pages, v_pages = jax.jit(functools.partial(rope_and_write_kv, num_heads=heads))(k0, v0, 1, qkv, cos, sin, slots)
+
+    def rotated(x):  # [T, n, D] float32: fma(x1, c, -(x2 s)) | fma(x2, c, x1 s), each product rounded to float32
+        x1, x2 = np.split(x.astype(np.float32), 2, axis=-1)
+        c, s = cos[:, None, :], sin[:, None, :]
+        first = x1.astype(np.float64) * c + (-(x2 * s)).astype(np.float64)
+        second = x2.astype(np.float64) * c + (x1 * s).astype(np.float64)
+        return np.concatenate([first, second], axis=-1).astype(np.float32)
+
+    q_rows, k_rows, v_rows = np.split(qkv, [heads * head_dim, (heads + kv_heads) * head_dim], axis=-1)
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint32),
+                                  rotated(q_rows.reshape(tokens, heads, head_dim)).view(np.uint32))
+    written = jax.jit(functools.partial(write_kv, backend="cpu"))(
+        k0, v0, 1, rotated(k_rows.reshape(tokens, kv_heads, head_dim)), v_rows.reshape(tokens, kv_heads, head_dim), slots)
+    bits = np.uint16 if page_dtype == "bfloat16" else np.uint8
+    for ours, theirs, before in zip((k_pages, v_pages), written, (k0, v0)):
+        np.testing.assert_array_equal(np.asarray(ours).view(bits), np.asarray(theirs).view(bits))
+        assert (np.asarray(ours) != np.asarray(before)).reshape(layers, -1).any(-1).tolist() == [False, True, False]
 
 
 @pytest.mark.parametrize("head_dim,page_size,group,window,soft_cap", CASES[:4])

@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxserve.ops import cpu_ffi
 from jaxserve.ops.attention import AttentionMetadata
-from jaxserve.ops.attention_backends import paged_attention, write_kv
+from jaxserve.ops.attention_backends import paged_attention, rope_and_write_kv, rotates_in_writer, write_kv
 from jaxserve.config.model_config import ModelConfig
 from jaxserve.ops.linear import matmul, silu_gated_matmul
 from jaxserve.ops.lora import GATE_UP, QKV, TokenSlots, delta, fused_delta, with_lora
@@ -217,15 +217,19 @@ def _layer(h, pending, k_pages, v_pages, lp, layer, cos, sin, md: AttentionMetad
                      lambda y: y + fused_delta(x, weights, QKV, mask).astype(y.dtype))
     if cfg.attention_bias:
         qkv = qkv + lp["b_qkv"]
-    q = qkv[:, :q_width].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
-    k = qkv[:, q_width:q_width + kv_width].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-    v = qkv[:, q_width + kv_width:].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.qk_norm:
-        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-    k_pages, v_pages = write_kv(k_pages, v_pages, layer, k, v, md.slot_mapping, backend=attention_backend)
+    if not cfg.qk_norm and rotates_in_writer(attention_backend, k_pages.dtype):
+        q, k_pages, v_pages = rope_and_write_kv(k_pages, v_pages, layer, qkv, cos, sin, md.slot_mapping,
+                                                num_heads=cfg.num_heads)
+        q = q.astype(qkv.dtype)
+    else:
+        q = qkv[:, :q_width].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, q_width:q_width + kv_width].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, q_width + kv_width:].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_pages, v_pages = write_kv(k_pages, v_pages, layer, k, v, md.slot_mapping, backend=attention_backend)
     attn = paged_attention(
         q, k_pages, v_pages, layer, md,
         scale=cfg.scale,

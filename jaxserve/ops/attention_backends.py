@@ -200,6 +200,22 @@ def write_kv(k_pages, v_pages, layer, k, v, slot_mapping, *, backend: str = "xla
     return xla_write_kv(k_pages, v_pages, layer, k, v, slot_mapping)
 
 
+def rotates_in_writer(backend: str, page_dtype) -> bool:
+    """Whether `rope_and_write_kv` takes the layer's rope and page writes in one C++ call: with the C++
+    attention backends and bfloat16 or float8 pages, whose writer is C++ already (`write_kv`)."""
+    return backend in ("cpu", "cpu-bf16") and page_dtype in (jnp.bfloat16, jnp.float8_e4m3fn)
+
+
+def rope_and_write_kv(k_pages, v_pages, layer, qkv, cos, sin, slot_mapping, *, num_heads: int):
+    """Where `rotates_in_writer`: the qkv matmul's rows [T, (H + 2 KVH) D] -> (q [T, H, D] rotated by the
+    rope, the pages with k rotated and v written at their slots), `cpu_ffi.rope_write_pages`: XLA's slices,
+    rotations and the writer's call made four passes over the rows (7.8 ms of a 512-token prompt step on
+    an AMX Xeon, against 4.0 for this call; docs/benchmarks.md)."""
+    from jaxserve.ops.cpu_ffi import rope_write_pages
+
+    return rope_write_pages(k_pages, v_pages, layer, qkv, cos, sin, slot_mapping, num_heads=num_heads)
+
+
 def paged_attention(
     q,  # [T, num_heads, head_dim]
     k_pages,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]

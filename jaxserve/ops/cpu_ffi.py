@@ -91,6 +91,8 @@ TARGETS = {  # FFI target -> handler symbol
     "jaxserve_packed_gated_matmul_fp8_bf16_out": "JaxservePackedGatedMatmulFp8Bf16Out",
     "jaxserve_paged_row_attention_fp8_pages": "JaxservePagedRowAttentionFp8Pages",
     "jaxserve_write_fp8_pages": "JaxserveWriteFp8Pages",
+    "jaxserve_rope_write_bf16_pages": "JaxserveRopeWriteBf16Pages",
+    "jaxserve_rope_write_fp8_pages": "JaxserveRopeWriteFp8Pages",
     "jaxserve_lora_bgmv": "JaxserveLoraBgmv",
     "jaxserve_lora_bgmv_bf16": "JaxserveLoraBgmvBf16",
     "jaxserve_truncation_threshold": "JaxserveTruncationThreshold",
@@ -400,6 +402,23 @@ def write_pages(k_pages, v_pages, layer, k, v, slot_mapping):
                             input_output_aliases={0: 0, 1: 1})
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     return call(k_pages, v_pages, k.astype(jnp.float32), v.astype(jnp.float32), i32(layer), i32(slot_mapping))
+
+
+def rope_write_pages(k_pages, v_pages, layer, qkv, cos, sin, slot_mapping, *, num_heads: int):
+    """The qkv matmul's rows [T, (H + 2 KVH) D] -> q [T, H, D] float32 rotated by the rope (cos and sin
+    [T, D / 2], `transformer.apply_rope`'s halves, each x1 cos - x2 sin and x2 cos + x1 sin one fused
+    multiply-add onto the other product), with k rotated the same way and v written into the bfloat16 or
+    float8 pages of `layer` as `write_pages` writes them, in one call (the pages aliased to the results)."""
+    assert k_pages.dtype == v_pages.dtype and _PAGE_SUFFIX.get(k_pages.dtype), k_pages.dtype
+    head_dim = k_pages.shape[-1]
+    pages = jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype)
+    q = jax.ShapeDtypeStruct((qkv.shape[0], num_heads, head_dim), jnp.float32)
+    call = jax.ffi.ffi_call("jaxserve_rope_write" + _PAGE_SUFFIX[k_pages.dtype], (pages, pages, q),
+                            input_output_aliases={0: 0, 1: 1})
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    k_pages, v_pages, q = call(k_pages, v_pages, f32(qkv), f32(cos), f32(sin), i32(layer), i32(slot_mapping))
+    return q, k_pages, v_pages
 
 
 def add_rms_norm(h, add, weight, eps: float):

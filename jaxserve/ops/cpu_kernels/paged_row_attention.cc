@@ -1543,3 +1543,100 @@ auto WriteBinding() {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteBf16Pages, WritePages<Bf16>, WriteBinding<Bf16>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteFp8Pages, WritePages<Fp8>, WriteBinding<Fp8>());
+
+// The layer's step between its qkv matmul and its attention, in one call: the matmul's rows
+// [T, (H + 2 KVH) D] (q | k | v, float32) in; q and k rotated by their tokens' rope, the halves convention
+// of transformer.apply_rope (x1 cos - x2 sin | x2 cos + x1 sin, x1 and x2 a head's halves); k and v
+// written into the pages at their slots as WritePages writes them; q [T, H, D] float32 out. XLA took
+// the rows apart, rotated and joined the halves in passes of their own before the writer's call.
+namespace {
+
+constexpr int64_t kRopeTokens = 16;  // consecutive slots that go to one work item
+constexpr int64_t kRopeItems = 8;  // work items at most
+
+// out[0, D) = x rotated by cos c and sin s [D / 2]: each half one fused multiply-add onto the other
+// product (the form XLA:CPU compiled transformer.apply_rope to in the layer's step, where measured).
+inline void Rotate(const float* x, const float* c, const float* s, int64_t half, float* out) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[i + half];
+    out[i] = std::fma(x1, c[i], -(x2 * s[i]));
+    out[i + half] = std::fma(x2, c[i], x1 * s[i]);
+  }
+}
+
+template <typename Page>
+ffi::Error RopeWritePages(ffi::ThreadPool pool, PageBuffer<Page> k_pages, PageBuffer<Page> v_pages,
+                          ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
+                          ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slots, ffi::Result<PageBuffer<Page>> k_out,
+                          ffi::Result<PageBuffer<Page>> v_out, ffi::ResultBuffer<ffi::F32> q_out) {
+  const auto kv_dims = k_pages.dimensions(), q_dims = q_out->dimensions(), qkv_dims = qkv.dimensions();
+  if (kv_dims.size() != 5 || q_dims.size() != 3 || qkv_dims.size() != 2 || cos.dimensions().size() != 2) {
+    return ffi::Error::InvalidArgument("rope_write_pages: unexpected operand ranks");
+  }
+  const int64_t tokens = q_dims[0], heads = q_dims[1], head_dim = q_dims[2], kv_heads = kv_dims[3];
+  const int64_t half = head_dim / 2, width = (heads + 2 * kv_heads) * head_dim;
+  if (kv_dims[4] != head_dim || head_dim % 2 != 0 || qkv_dims[0] != tokens || qkv_dims[1] != width ||
+      cos.dimensions()[0] != tokens || cos.dimensions()[1] != half || sin.element_count() != cos.element_count() ||
+      static_cast<int64_t>(slots.element_count()) != tokens ||
+      k_out->untyped_data() != k_pages.untyped_data() || v_out->untyped_data() != v_pages.untyped_data()) {
+    return ffi::Error::InvalidArgument("rope_write_pages: operand shapes do not match, or the pages are not aliased");
+  }
+  if (WrongPageType<Page>(k_pages) || WrongPageType<Page>(v_pages)) {
+    return ffi::Error::InvalidArgument("rope_write_pages: the pages are not float8_e4m3fn");
+  }
+  const int64_t layer_index = layer.typed_data()[0], num_slots = kv_dims[1] * kv_dims[2];
+  if (layer_index < 0 || layer_index >= kv_dims[0]) {
+    return ffi::Error::InvalidArgument("rope_write_pages: layer index out of range");
+  }
+  using Bits = decltype(Round(0.0f, Page{}));
+  const int64_t row = kv_heads * head_dim;
+  Bits* k = reinterpret_cast<Bits*>(k_out->untyped_data()) + layer_index * num_slots * row;
+  Bits* v = reinterpret_cast<Bits*>(v_out->untyped_data()) + layer_index * num_slots * row;
+  const float* x = qkv.typed_data();
+  const float *c = cos.typed_data(), *s = sin.typed_data();
+  const int32_t* slot_of = slots.typed_data();
+  float* q = q_out->typed_data();
+  // Item i takes the tokens whose slots lie in groups of kRopeTokens slots numbered i modulo the items, in
+  // token order: tokens that share a slot (the padding rows' in the dummy page) are one thread's, the
+  // later one's values kept, as the writer's.
+  const int64_t items = std::clamp<int64_t>(tokens / kRopeTokens, 1, kRopeItems);
+  jaxserve::ParallelFor(pool, items, [=] {
+    return [=, rotated = std::vector<float>(row)](int64_t item) mutable {
+      for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t slot = std::clamp<int64_t>(slot_of[t], 0, num_slots - 1);
+        if (slot / kRopeTokens % items != item) continue;
+        const float* in = x + t * width;
+        const float *ct = c + t * half, *st = s + t * half;
+        for (int64_t h = 0; h < heads; ++h) Rotate(in + h * head_dim, ct, st, half, q + (t * heads + h) * head_dim);
+        for (int64_t h = 0; h < kv_heads; ++h) Rotate(in + (heads + h) * head_dim, ct, st, half, rotated.data() + h * head_dim);
+        const float* values = in + (heads + kv_heads) * head_dim;
+        for (int64_t i = 0; i < row; ++i) {
+          k[slot * row + i] = Round(rotated[i], Page{});
+          v[slot * row + i] = Round(values[i], Page{});
+        }
+      }
+    };
+  });
+  return ffi::Error::Success();
+}
+
+template <typename Page>
+auto RopeWriteBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .template Arg<PageBuffer<Page>>()
+      .template Arg<PageBuffer<Page>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<PageBuffer<Page>>()
+      .template Ret<PageBuffer<Page>>()
+      .template Ret<ffi::Buffer<ffi::F32>>();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRopeWriteBf16Pages, RopeWritePages<Bf16>, RopeWriteBinding<Bf16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRopeWriteFp8Pages, RopeWritePages<Fp8>, RopeWriteBinding<Fp8>());
