@@ -20,7 +20,7 @@ import pytest
 import pallas_kernels as pk
 from jaxserve.ops import cpu_ffi
 from jaxserve.ops.attention import ragged_paged_attention, to_page_dtype
-from jaxserve.models.transformer import apply_rope, rope_tables
+from jaxserve.models.transformer import rope_tables
 from jaxserve.ops.attention_backends import (paged_attention, resolve_attention_backend, rope_and_write_kv,
                                               write_kv)
 from jaxserve.config.model_config import ModelConfig, RopeConfig
@@ -90,6 +90,28 @@ def test_narrow_pages_give_what_their_float32_widening_gives(head_dim, page_size
         assert np.abs(out[:real_tokens] - np.asarray(attend["cpu"](q, k, v, LAYER, md))[:real_tokens]).max() > 1e-4
 
 
+@pytest.mark.parametrize("backend", ["cpu", "cpu-bf16"])
+@pytest.mark.parametrize("page_dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("head_dim,page_size,group,window,soft_cap", CASES)
+def test_a_bfloat16_result_is_the_float32_result_rounded_bit_for_bit(head_dim, page_size, group, window, soft_cap,
+                                                                     page_dtype, backend):
+    """out_dtype bfloat16 (what a bfloat16 o_proj takes): the kernel rounds each job's rows as it finishes
+    them, decode rows and tiles alike, to the bits XLA's conversion of its float32 result gives (no
+    float32 subnormal comes out of these cases), padding rows zero."""
+    kw = dict(scale=head_dim ** -0.5, sliding_window=window, soft_cap=soft_cap, backend=backend)
+    for lengths in ("ragged", "decode", "long"):
+        q, k, v, md, real_tokens = build_case(LENGTHS[lengths](page_size), page_size=page_size, head_dim=head_dim,
+                                              group=group, dtype="float32", seed=8)
+        k, v = to_page_dtype(k, page_dtype), to_page_dtype(v, page_dtype)
+        wide = jax.jit(functools.partial(paged_attention, **kw))(q, k, v, LAYER, md)
+        rounded = jax.jit(functools.partial(paged_attention, out_dtype=jnp.bfloat16, **kw))(q, k, v, LAYER, md)
+        assert wide.dtype == jnp.float32 and rounded.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(rounded).view(np.uint16),
+                                      np.asarray(wide.astype(jnp.bfloat16)).view(np.uint16), err_msg=lengths)
+        real = np.asarray(rounded, np.float32)
+        assert np.any(real[:real_tokens]) and not np.any(real[real_tokens:])
+
+
 @pytest.mark.parametrize("page_dtype", ["bfloat16", "float8_e4m3fn"])
 def test_the_c_page_writer_writes_what_xlas_scatter_writes_in_place(page_dtype):
     """write_kv for bfloat16 or float8 pages under the C++ backends (XLA:CPU would widen the whole pool
@@ -133,7 +155,8 @@ def test_the_fused_rope_and_page_writer_rotates_as_specified_and_writes_as_the_w
     real = 38  # distinct slots in pages 3-11; the padding rows' slots repeat every 16 in page 0
     slots = np.concatenate([rng.permutation(np.arange(3 * page_size, pages * page_size))[:real],
                             np.arange(tokens - real) % page_size]).astype(np.int32)
-    q, k_pages, v_pages = jax.jit(functools.partial(rope_and_write_kv, num_heads=heads))(k0, v0, 1, qkv, cos, sin, slots)
+    fused = jax.jit(functools.partial(rope_and_write_kv, num_heads=heads))
+    q, k_pages, v_pages = fused(k0, v0, 1, qkv, cos, sin, slots)
 
     def rotated(x):  # [T, n, D] float32: fma(x1, c, -(x2 s)) | fma(x2, c, x1 s), each product rounded to float32
         x1, x2 = np.split(x.astype(np.float32), 2, axis=-1)
@@ -145,8 +168,9 @@ def test_the_fused_rope_and_page_writer_rotates_as_specified_and_writes_as_the_w
     q_rows, k_rows, v_rows = np.split(qkv, [heads * head_dim, (heads + kv_heads) * head_dim], axis=-1)
     np.testing.assert_array_equal(np.asarray(q).view(np.uint32),
                                   rotated(q_rows.reshape(tokens, heads, head_dim)).view(np.uint32))
+    k_rotated = rotated(k_rows.reshape(tokens, kv_heads, head_dim))
     written = jax.jit(functools.partial(write_kv, backend="cpu"))(
-        k0, v0, 1, rotated(k_rows.reshape(tokens, kv_heads, head_dim)), v_rows.reshape(tokens, kv_heads, head_dim), slots)
+        k0, v0, 1, k_rotated, v_rows.reshape(tokens, kv_heads, head_dim), slots)
     bits = np.uint16 if page_dtype == "bfloat16" else np.uint8
     for ours, theirs, before in zip((k_pages, v_pages), written, (k0, v0)):
         np.testing.assert_array_equal(np.asarray(ours).view(bits), np.asarray(theirs).view(bits))

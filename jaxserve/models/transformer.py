@@ -239,6 +239,9 @@ def _layer(h, pending, k_pages, v_pages, lp, layer, cos, sin, md: AttentionMetad
         kv_tile=kv_tile,
         backend=attention_backend,
         decode_only=decode_only,
+        # a bfloat16 o_proj takes the attention rounded (the C++ kernel rounds it as it writes it); LoRA's delta
+        # reads it unrounded
+        out_dtype=kernel_input_dtype(lp["wo"]) if lora is None else None,
     )
     attn = attn.reshape(num_tokens, q_width)
     out = _all_reduce(lora_added(matmul(attn, lp["wo"], rows),

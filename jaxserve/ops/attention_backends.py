@@ -230,19 +230,30 @@ def paged_attention(
     kv_tile: int = 128,
     backend: str = "xla",
     decode_only: bool = False,
+    out_dtype=None,
 ):
-    """Attention over the paged KV cache with the resolved `backend`; returns [T, H, D].
+    """Attention over the paged KV cache with the resolved `backend`; returns [T, H, D] in q's dtype, or
+    out_dtype (the C++ kernel rounds to bfloat16 itself over bfloat16 or float8 pages; the others convert).
 
     decode_only: every sequence has at most one query row (the engine's decode entry point); the
     Pallas backends then use the flash-decoding kernel. q_tile / kv_tile tune the XLA path only.
     """
     assert backend in RESOLVED_BACKENDS, f"resolve {backend=} first"
+    out_dtype = jnp.dtype(out_dtype or q.dtype)
+    if backend in ("cpu", "cpu-bf16"):
+        return _cpu_kernel_attention(q, k_pages, v_pages, layer, md, scale=scale, sliding_window=sliding_window,
+                                     soft_cap=soft_cap, bf16_products=backend == "cpu-bf16", out_dtype=out_dtype)
+    return _other_attention(q, k_pages, v_pages, layer, md, scale=scale, sliding_window=sliding_window,
+                            soft_cap=soft_cap, q_tile=q_tile, kv_tile=kv_tile, backend=backend,
+                            decode_only=decode_only).astype(out_dtype)
+
+
+def _other_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *, scale: float, sliding_window,
+                     soft_cap: float, q_tile: int, kv_tile: int, backend: str, decode_only: bool):
+    """paged_attention's XLA and Pallas backends, in q's dtype."""
     if backend == "xla":
         return ragged_paged_attention(q, k_pages, v_pages, layer, md, scale=scale, sliding_window=sliding_window,
                                       soft_cap=soft_cap, q_tile=q_tile, kv_tile=kv_tile, decode_only=decode_only)
-    if backend in ("cpu", "cpu-bf16"):
-        return _cpu_kernel_attention(q, k_pages, v_pages, layer, md, scale=scale, sliding_window=sliding_window,
-                                     soft_cap=soft_cap, bf16_products=backend == "cpu-bf16")
     from pallas_kernels import decode_attention, ragged_paged_attention as pallas_ragged
 
     kernel = decode_attention if decode_only else pallas_ragged
@@ -251,7 +262,7 @@ def paged_attention(
 
 
 def _cpu_kernel_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *, scale: float, sliding_window,
-                          soft_cap: float, bf16_products: bool):
+                          soft_cap: float, bf16_products: bool, out_dtype):
     """Every query row (decode rows and prompt-chunk rows alike) to the C++ kernel of `cpu_ffi.py`, one
     call per layer: it needs each row's sequence and causal key count, which the ragged metadata
     gives per sequence."""
@@ -262,6 +273,7 @@ def _cpu_kernel_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *, 
     seqs = jnp.minimum(jnp.searchsorted(md.cu_q_lens[1:], rows, side="right"), md.kv_lens.shape[0] - 1)
     positions = md.kv_lens[seqs] - md.cu_q_lens[seqs + 1] + rows  # kv_len - q_len + row offset
     kv_lens = jnp.where(rows < md.cu_q_lens[-1], positions + 1, 0)  # padding rows: nothing
+    rounded = out_dtype == jnp.bfloat16 and k_pages.dtype != jnp.float32  # by the kernel
     return paged_row_attention(q, k_pages, v_pages, layer, kv_lens, seqs, md.block_tables, scale=scale,
-                               sliding_window=sliding_window, soft_cap=soft_cap,
-                               bf16_products=bf16_products).astype(q.dtype)
+                               sliding_window=sliding_window, soft_cap=soft_cap, bf16_products=bf16_products,
+                               out_dtype=jnp.bfloat16 if rounded else jnp.float32).astype(out_dtype)

@@ -90,6 +90,8 @@ TARGETS = {  # FFI target -> handler symbol
     "jaxserve_packed_gated_matmul_fp8": "JaxservePackedGatedMatmulFp8",
     "jaxserve_packed_gated_matmul_fp8_bf16_out": "JaxservePackedGatedMatmulFp8Bf16Out",
     "jaxserve_paged_row_attention_fp8_pages": "JaxservePagedRowAttentionFp8Pages",
+    "jaxserve_paged_row_attention_bf16_pages_bf16_out": "JaxservePagedRowAttentionBf16PagesBf16Out",
+    "jaxserve_paged_row_attention_fp8_pages_bf16_out": "JaxservePagedRowAttentionFp8PagesBf16Out",
     "jaxserve_write_fp8_pages": "JaxserveWriteFp8Pages",
     "jaxserve_rope_write_bf16_pages": "JaxserveRopeWriteBf16Pages",
     "jaxserve_rope_write_fp8_pages": "JaxserveRopeWriteFp8Pages",
@@ -373,7 +375,7 @@ def set_amx(enabled: bool) -> None:
 
 
 def paged_row_attention(q, k_pages, v_pages, layer, kv_lens, row_seqs, block_tables, *, scale: float,
-                        sliding_window=0, soft_cap: float = 0.0, bf16_products: bool = False):
+                        sliding_window=0, soft_cap: float = 0.0, bf16_products: bool = False, out_dtype=jnp.float32):
     """Attention of query rows q [R, H, D]: row r attends to keys 0..kv_lens[r]-1 of the pages
     [num_layers, num_pages, page_size, KVH, D] of `layer`, through block_tables[row_seqs[r]];
     [R, H, D] float32, zeros where kv_len is 0. Pages in float32, bfloat16 or float8 e4m3 (kv_cache_dtype;
@@ -381,10 +383,17 @@ def paged_row_attention(q, k_pages, v_pages, layer, kv_lens, row_seqs, block_tab
 
     bf16_products: the prompt tiles' two products take operands rounded to bfloat16 (float32 sums), and
     over bfloat16 pages a decode row's scores take its query rounded to bfloat16, where the kernels are
-    built for AVX512-BF16 (`bf16_dot_instructions`); ignored elsewhere."""
+    built for AVX512-BF16 (`bf16_dot_instructions`); ignored elsewhere.
+
+    out_dtype bfloat16 (over bfloat16 or float8 pages): the result rounded to nearest even in the kernel, each
+    part by the thread that computed it (float32 subnormals to zero where the CPU has AVX512-BF16), for a
+    bfloat16 matmul next, in place of XLA's conversion between the two calls."""
     assert k_pages.dtype == v_pages.dtype and k_pages.dtype in _PAGE_SUFFIX, k_pages.dtype
-    target = "jaxserve_paged_row_attention" + _PAGE_SUFFIX[k_pages.dtype]
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    out_dtype = jnp.dtype(out_dtype)
+    assert out_dtype == jnp.float32 or (out_dtype == jnp.bfloat16 and k_pages.dtype != jnp.float32), out_dtype
+    suffix = _PAGE_SUFFIX[k_pages.dtype] + ("_bf16_out" if out_dtype == jnp.bfloat16 else "")
+    target = "jaxserve_paged_row_attention" + suffix
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, out_dtype))
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     return call(q.astype(jnp.float32), k_pages, v_pages, i32(layer), i32(kv_lens), i32(row_seqs), i32(block_tables),
                 i32(sliding_window), scale=np.float32(scale), soft_cap=np.float32(soft_cap),

@@ -1404,7 +1404,28 @@ bool WrongPageType(const PageBuffer<Page>& pages) {
   }
 }
 
+// bfloat16 out: each job rounds what it wrote (float32, in the call's `wide` rows) into out: a decode row
+// all its heads, a tile its KV head's query heads of its rows, lanes as StoreBf16 rounds them (the tail
+// past whole vectors as RoundHigh does).
 template <typename Page>
+void RoundJob(const Problem<Page>& p, const TileJob& job, Bf16* out) {
+  const int64_t width = p.num_heads * p.head_dim;
+  const int64_t first = job.kv_head < 0 ? 0 : job.kv_head * p.group * p.head_dim;
+  const int64_t count = job.kv_head < 0 ? width : p.group * p.head_dim;
+  for (int64_t r = job.first_row; r < job.first_row + job.tokens; ++r) {
+    const float* from = p.out + r * width + first;
+    Bf16* to = out + r * width + first;
+    int64_t i = 0;
+    for (; i + kLanes <= count; i += kLanes) jaxserve::StoreBf16(to + i, Load(from + i));
+    for (; i < count; ++i) to[i] = static_cast<Bf16>(RoundHigh(from[i]) >> 16);
+  }
+}
+
+// The result's element: float32, or bfloat16 bits for a bfloat16 matmul after it (o_proj).
+template <typename Out>
+constexpr ffi::DataType kOutType = std::is_same_v<Out, float> ? ffi::F32 : ffi::BF16;
+
+template <typename Page, typename Out = float>
 ffi::Error PagedRowAttention(ffi::ThreadPool pool,
                              ffi::Buffer<ffi::F32> q,                  // [R, H, D]
                              PageBuffer<Page> k_pages,              // [L, P, page, KVH, D]
@@ -1415,7 +1436,7 @@ ffi::Error PagedRowAttention(ffi::ThreadPool pool,
                              ffi::Buffer<ffi::S32> block_tables,    // [S, W]
                              ffi::Buffer<ffi::S32> sliding_window,  // [], 0 = none
                              float scale, float soft_cap, int32_t bf16_products,
-                             ffi::ResultBuffer<ffi::F32> out) {     // [R, H, D]
+                             ffi::ResultBuffer<kOutType<Out>> out) {  // [R, H, D]
   const auto q_dims = q.dimensions();
   const auto kv_dims = k_pages.dimensions();
   if (q_dims.size() != 3 || kv_dims.size() != 5 || block_tables.dimensions().size() != 2) {
@@ -1436,21 +1457,31 @@ ffi::Error PagedRowAttention(ffi::ThreadPool pool,
   const int64_t layer_offset = layer_index * num_pages * page_size * num_kv_heads * head_dim;
   const auto* k = reinterpret_cast<const Page*>(k_pages.untyped_data());
   const auto* v = reinterpret_cast<const Page*>(v_pages.untyped_data());
+  // The kernels write float32 rows: into the result, or under bfloat16 out into the calling thread's buffer
+  // (its helpers write there too), each job's part then rounded into the result (RoundJob).
+  static thread_local std::vector<float> wide;
+  float* rows_out = reinterpret_cast<float*>(out->untyped_data());
+  if constexpr (!std::is_same_v<Out, float>) {
+    wide.resize(num_rows * num_heads * head_dim);
+    rows_out = wide.data();
+  }
+  Out* result = reinterpret_cast<Out*>(out->untyped_data());
   const Problem<Page> problem{q.typed_data(), k + layer_offset, v + layer_offset,
-                        kv_lens.typed_data(), row_seqs.typed_data(), block_tables.typed_data(), out->typed_data(),
+                        kv_lens.typed_data(), row_seqs.typed_data(), block_tables.typed_data(), rows_out,
                         block_tables.dimensions()[0], num_heads, head_dim, num_heads / num_kv_heads, num_pages, page_size,
                         num_kv_heads * head_dim, block_tables.dimensions()[1], sliding_window.typed_data()[0],
                         scale, soft_cap, bf16_products != 0};
   const TileFn<Page> tile = TileFor<Page>(head_dim, problem.group);
   auto jobs = std::make_shared<const std::vector<TileJob>>(Jobs(problem, num_rows, tile != nullptr, pool.num_threads()));
-  jaxserve::ParallelFor(pool, jobs->size(), [problem, tile, jobs] {
-    return [problem, tile, jobs, scratch = Scratch()](int64_t i) mutable {
+  jaxserve::ParallelFor(pool, jobs->size(), [problem, tile, jobs, result] {
+    return [problem, tile, jobs, result, scratch = Scratch()](int64_t i) mutable {
       const TileJob& job = (*jobs)[i];
       if (job.kv_head < 0) {
         AttendOne(problem, job.first_row, scratch);
       } else {
         tile(problem, job, scratch);
       }
+      if constexpr (!std::is_same_v<Out, float>) RoundJob(problem, job, result);
     };
   });
   return ffi::Error::Success();
@@ -1460,8 +1491,8 @@ ffi::Error PagedRowAttention(ffi::ThreadPool pool,
 
 namespace {
 
-// The handlers' signature, for float32, bfloat16 or float8 e4m3 pages.
-template <typename Page>
+// The handlers' signature, for float32, bfloat16 or float8 e4m3 pages, a float32 or bfloat16 result.
+template <typename Page, typename Out = float>
 auto AttentionBinding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
@@ -1476,7 +1507,7 @@ auto AttentionBinding() {
       .template Attr<float>("scale")
       .template Attr<float>("soft_cap")
       .template Attr<int32_t>("bf16_products")
-      .template Ret<ffi::Buffer<ffi::F32>>();
+      .template Ret<ffi::Buffer<kOutType<Out>>>();
 }
 
 }  // namespace
@@ -1485,6 +1516,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedRowAttention, PagedRowAttention<float
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedRowAttentionBf16Pages, PagedRowAttention<Bf16>,
                               AttentionBinding<Bf16>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedRowAttentionFp8Pages, PagedRowAttention<Fp8>, AttentionBinding<Fp8>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedRowAttentionBf16PagesBf16Out, (PagedRowAttention<Bf16, Bf16>),
+                              (AttentionBinding<Bf16, Bf16>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedRowAttentionFp8PagesBf16Out, (PagedRowAttention<Fp8, Bf16>),
+                              (AttentionBinding<Fp8, Bf16>()));
 
 // Writes a step's keys and values [T, KVH, D] (float32) into bfloat16 or float8 e4m3 pages at their
 // slots (page * page_size + offset), rounded to nearest even (float8 clipped to +-448), in place: the
