@@ -209,7 +209,7 @@ def rotates_in_writer(backend: str, page_dtype) -> bool:
 def rope_and_write_kv(k_pages, v_pages, layer, qkv, cos, sin, slot_mapping, *, num_heads: int):
     """Where `rotates_in_writer`: the qkv matmul's rows [T, (H + 2 KVH) D] -> (q [T, H, D] rotated by the
     rope, the pages with k rotated and v written at their slots), `cpu_ffi.rope_write_pages`: XLA's slices,
-    rotations and the writer's call made four passes over the rows (7.8 ms of a 512-token prompt step on
+    rotations and the writer's call made four passes over the rows (7.0 ms of a 512-token prompt step on
     an AMX Xeon, against 4.0 for this call; docs/benchmarks.md)."""
     from jaxserve.ops.cpu_ffi import rope_write_pages
 
