@@ -32,6 +32,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -1530,23 +1531,42 @@ namespace {
 inline uint16_t Round(float x, Bf16) { return static_cast<uint16_t>(RoundHigh(x) >> 16); }
 inline uint8_t Round(float x, Fp8) { return RoundFp8(x); }
 
+// What a page writer (`name`) checks of its pages: aliased to its results, float8 e4m3 where Page says so,
+// and the layer index within them (set in `layer_index`).
+template <typename Page>
+ffi::Error CheckWrittenPages(const char* name, const PageBuffer<Page>& k_pages, const PageBuffer<Page>& v_pages,
+                             const void* k_out, const void* v_out, const ffi::Buffer<ffi::S32>& layer,
+                             int64_t& layer_index) {
+  const std::string what = name;
+  if (k_out != k_pages.untyped_data() || v_out != v_pages.untyped_data()) {
+    return ffi::Error::InvalidArgument(what + ": the pages are not aliased to the results");
+  }
+  if (WrongPageType<Page>(k_pages) || WrongPageType<Page>(v_pages)) {
+    return ffi::Error::InvalidArgument(what + ": the pages are not float8_e4m3fn");
+  }
+  layer_index = layer.typed_data()[0];
+  if (layer_index < 0 || layer_index >= k_pages.dimensions()[0]) {
+    return ffi::Error::InvalidArgument(what + ": layer index out of range");
+  }
+  return ffi::Error::Success();
+}
+
 template <typename Page>
 ffi::Error WritePages(PageBuffer<Page> k_pages, PageBuffer<Page> v_pages, ffi::Buffer<ffi::F32> k,
                       ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slots,
                       ffi::Result<PageBuffer<Page>> k_out, ffi::Result<PageBuffer<Page>> v_out) {
   const auto kv_dims = k_pages.dimensions(), row_dims = k.dimensions();
   if (kv_dims.size() != 5 || row_dims.size() != 3 || row_dims[1] != kv_dims[3] || row_dims[2] != kv_dims[4] ||
-      static_cast<int64_t>(slots.element_count()) != row_dims[0] || v.element_count() != k.element_count() ||
-      k_out->untyped_data() != k_pages.untyped_data() || v_out->untyped_data() != v_pages.untyped_data()) {
-    return ffi::Error::InvalidArgument("write_pages: operand shapes do not match, or the pages are not aliased");
+      static_cast<int64_t>(slots.element_count()) != row_dims[0] || v.element_count() != k.element_count()) {
+    return ffi::Error::InvalidArgument("write_pages: operand shapes do not match");
   }
-  if (WrongPageType<Page>(k_pages) || WrongPageType<Page>(v_pages)) {
-    return ffi::Error::InvalidArgument("write_pages: the pages are not float8_e4m3fn");
+  int64_t layer_index = 0;
+  if (ffi::Error error = CheckWrittenPages<Page>("write_pages", k_pages, v_pages, k_out->untyped_data(),
+                                                 v_out->untyped_data(), layer, layer_index);
+      error.failure()) {
+    return error;
   }
-  const int64_t layer_index = layer.typed_data()[0], num_slots = kv_dims[1] * kv_dims[2];
-  if (layer_index < 0 || layer_index >= kv_dims[0]) {
-    return ffi::Error::InvalidArgument("write_pages: layer index out of range");
-  }
+  const int64_t num_slots = kv_dims[1] * kv_dims[2];
   using Bits = decltype(Round(0.0f, Page{}));
   const int64_t row = kv_dims[3] * kv_dims[4];
   const auto write = [&](const float* rows, Bits* pages) {
@@ -1612,17 +1632,16 @@ ffi::Error RopeWritePages(ffi::ThreadPool pool, PageBuffer<Page> k_pages, PageBu
   const int64_t half = head_dim / 2, width = (heads + 2 * kv_heads) * head_dim;
   if (kv_dims[4] != head_dim || head_dim % 2 != 0 || qkv_dims[0] != tokens || qkv_dims[1] != width ||
       cos.dimensions()[0] != tokens || cos.dimensions()[1] != half || sin.element_count() != cos.element_count() ||
-      static_cast<int64_t>(slots.element_count()) != tokens ||
-      k_out->untyped_data() != k_pages.untyped_data() || v_out->untyped_data() != v_pages.untyped_data()) {
-    return ffi::Error::InvalidArgument("rope_write_pages: operand shapes do not match, or the pages are not aliased");
+      static_cast<int64_t>(slots.element_count()) != tokens) {
+    return ffi::Error::InvalidArgument("rope_write_pages: operand shapes do not match");
   }
-  if (WrongPageType<Page>(k_pages) || WrongPageType<Page>(v_pages)) {
-    return ffi::Error::InvalidArgument("rope_write_pages: the pages are not float8_e4m3fn");
+  int64_t layer_index = 0;
+  if (ffi::Error error = CheckWrittenPages<Page>("rope_write_pages", k_pages, v_pages, k_out->untyped_data(),
+                                                 v_out->untyped_data(), layer, layer_index);
+      error.failure()) {
+    return error;
   }
-  const int64_t layer_index = layer.typed_data()[0], num_slots = kv_dims[1] * kv_dims[2];
-  if (layer_index < 0 || layer_index >= kv_dims[0]) {
-    return ffi::Error::InvalidArgument("rope_write_pages: layer index out of range");
-  }
+  const int64_t num_slots = kv_dims[1] * kv_dims[2];
   using Bits = decltype(Round(0.0f, Page{}));
   const int64_t row = kv_heads * head_dim;
   Bits* k = reinterpret_cast<Bits*>(k_out->untyped_data()) + layer_index * num_slots * row;
