@@ -22,10 +22,9 @@
 // is padding): the rows past them get zeros. A 287-token step in the 512 bucket costs 287 rows.
 //
 // Column panels are spread over XLA's intra-op threads (parallel_for.h), on AMX tiles several to a work
-// item where the rows take more than one pass (PanelsPerItem). While a thread multiplies
-// its second row tile with a panel that is already in L2 (or its only tile, when M <= kRows), it
-// prefetches the panel it does next, one row of it per k, because otherwise the first tile of every
-// panel waits on memory.
+// item where the rows take more than one pass (PanelsPerItem). While a thread's row tiles multiply
+// with a panel that is already in L2, they prefetch the panel it does next, each tile an equal share
+// spread over its steps (PrefetchShare), because otherwise the first tile of every panel waits on memory.
 //
 // Two weight types, one code: float32 (above), and bfloat16 pairs (`Bf16Pairs`): w stored as
 // [panels, K / 2, kPanelWidth] 32-bit lanes, each holding w[2i, c] and w[2i + 1, c], and x as bfloat16
@@ -115,6 +114,7 @@ constexpr int kFloatRows = kLanes == 16 ? 8 : 2;
 constexpr bool kSignedQuads = JAXSERVE_SIGNED_QUADS;
 constexpr int kInt8Rows = kLanes == 16 ? kFloatRows : 2;
 constexpr int kPanelWidth = 48;  // columns per packed panel; the Python side packs with the same number
+constexpr int64_t kLineBytes = 64;  // a cache line
 constexpr int kVectors = kPanelWidth / kLanes;
 static_assert(kPanelWidth % kLanes == 0, "a panel is a whole number of vectors");
 
@@ -253,6 +253,35 @@ struct Problem {
   }
 };
 
+// The part of a panel that one row tile prefetches into L2 while it multiplies: `lines` cache lines from
+// `begin`, `per_step` of them at each step k (k * per_step onward), so that they arrive spread over the
+// tile's steps. Each of a panel's row tiles takes an equal share of the next panel (ShareOf), where one
+// tile alone prefetching a whole panel asked for three lines a step: more than one core's share of the
+// memory's rate, so that tile waited on it (at 32 rows on Zen 5, 5.9 us a gated panel for about 3.7 of
+// multiplies).
+struct PrefetchShare {
+  const char* begin = nullptr;  // nullptr: nothing to prefetch
+  int64_t lines = 0, per_step = 0;
+
+  void At(int64_t k) const {
+    if (begin == nullptr) return;
+    for (int64_t line = k * per_step, last = std::min(line + per_step, lines); line < last; ++line)
+      __builtin_prefetch(begin + line * kLineBytes, 0, 1);
+  }
+};
+
+// Row tile `tile` of `tiles`' share of panel `panel` (-1: none).
+template <typename T>
+PrefetchShare ShareOf(const Problem<T>& p, int64_t panel, int64_t tile, int64_t tiles) {
+  if (panel < 0 || tiles <= 0) return {};
+  const auto start = reinterpret_cast<uintptr_t>(p.panel(panel));
+  const uintptr_t first_line = start / kLineBytes * kLineBytes;
+  const int64_t bytes = p.steps * kPanelWidth * static_cast<int64_t>(sizeof(typename T::WElem));
+  const int64_t lines = (static_cast<int64_t>(start - first_line) + bytes + kLineBytes - 1) / kLineBytes;
+  const int64_t from = lines * tile / tiles, to = lines * (tile + 1) / tiles;
+  return {reinterpret_cast<const char*>(first_line) + from * kLineBytes, to - from, (to - from + p.steps - 1) / p.steps};
+}
+
 #if JAXSERVE_SIGNED_QUADS
 // AVX2's int8 steps for R rows: acc[r][j] += x_rows[r] . the panel's column vector j over steps
 // [begin, end), as signed products q * xq (so x_offset is 0 here). vpmaddubsw multiplies unsigned by
@@ -264,7 +293,7 @@ struct Problem {
 template <int R>
 __attribute__((always_inline)) inline void SignedQuadSteps(const uint32_t* x_rows, int64_t steps,
                                                            const uint32_t* w_panel, IntVec (&acc)[R][kVectors],
-                                                           const uint32_t* prefetch, int64_t begin, int64_t end) {
+                                                           const PrefetchShare& prefetch, int64_t begin, int64_t end) {
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i offset = _mm256_set1_epi8(static_cast<char>(0x80));  // (q + 128) ^ 0x80 = q
   __m256i sums[R][kVectors];
@@ -272,9 +301,7 @@ __attribute__((always_inline)) inline void SignedQuadSteps(const uint32_t* x_row
     for (int j = 0; j < kVectors; ++j) sums[r][j] = (__m256i)acc[r][j];
   for (int64_t k = begin; k < end; ++k) {
     const uint32_t* w_row = w_panel + k * kPanelWidth;
-    if (prefetch) {  // a panel row is three cache lines
-      for (int line = 0; line < 3; ++line) __builtin_prefetch(prefetch + k * kPanelWidth + line * 16, 0, 1);
-    }
+    prefetch.At(k);
     __m256i x[R];
     for (int r = 0; r < R; ++r) x[r] = _mm256_set1_epi32(static_cast<int32_t>(x_rows[r * steps + k]));
     for (int j = 0; j < kVectors; ++j) {
@@ -292,22 +319,20 @@ __attribute__((always_inline)) inline void SignedQuadSteps(const uint32_t* x_row
 }
 #endif
 
-// acc[r][j] = x_rows[r] . the panel's column vector j, for R rows of x; row k of `prefetch` (another
-// panel, or nullptr) is prefetched into L2 with row k of this one. Inlined, so that acc stays in
+// acc[r][j] = x_rows[r] . the panel's column vector j, for R rows of x; `prefetch`'s lines for step k
+// (a share of another panel, or none) are prefetched into L2 with row k of this one. Inlined, so that acc stays in
 // registers (called twice from GatedTile, GCC otherwise keeps it out of line, spilling acc to memory).
 template <typename T, int R, typename Acc>
 __attribute__((always_inline)) inline void AccumulateSteps(const Problem<T>& p, const typename T::Elem* x_rows,
                                                            const typename T::WElem* w_panel, Acc (&acc)[R][kVectors],
-                                                           const typename T::WElem* prefetch, int64_t begin,
+                                                           const PrefetchShare& prefetch, int64_t begin,
                                                            int64_t end) {
   const int64_t steps = p.steps;
 #if JAXSERVE_SIGNED_QUADS
   if constexpr (std::is_same_v<T, U8Quads>) return SignedQuadSteps<R>(x_rows, steps, w_panel, acc, prefetch, begin, end);
 #endif
   for (int64_t k = begin; k < end; ++k) {
-    if (prefetch) {
-      for (int j = 0; j < kVectors; ++j) __builtin_prefetch(prefetch + k * kPanelWidth + j * kLanes, 0, 1);
-    }
+    prefetch.At(k);
 #if defined(__AVX2__) && !defined(__AVX512F__)
     // AVX2, float32 weights: left to itself, GCC takes each weight vector as the memory operand of both
     // rows' multiplies, 12 loads a k for 12 multiplies. On Zen 1, which loads two 128-bit halves a cycle and
@@ -338,7 +363,7 @@ __attribute__((always_inline)) inline void AccumulateSteps(const Problem<T>& p, 
 // integer sums scaled into acc).
 template <typename T, int R>
 __attribute__((always_inline)) inline void Accumulate(const Problem<T>& p, int64_t row, int64_t panel,
-                                                      Vec (&acc)[R][kVectors], const typename T::WElem* prefetch) {
+                                                      Vec (&acc)[R][kVectors], const PrefetchShare& prefetch) {
   const typename T::Elem* x_rows = p.x + row * p.steps;
   const typename T::WElem* w_panel = p.panel(panel);
   if constexpr (!std::is_same_v<T, U8Quads>) {
@@ -359,7 +384,7 @@ __attribute__((always_inline)) inline void Accumulate(const Problem<T>& p, int64
 
 // y[rows, panel's columns] for `rows` (<= kRows) rows of x starting at row `row`.
 template <typename T, int R>
-void Tile(const Problem<T>& p, int64_t row, int64_t panel, int64_t columns, const typename T::WElem* prefetch) {
+void Tile(const Problem<T>& p, int64_t row, int64_t panel, int64_t columns, const PrefetchShare& prefetch) {
   Vec acc[R][kVectors] = {};
   Accumulate<T, R>(p, row, panel, acc, prefetch);
   for (int r = 0; r < R; ++r) {
@@ -412,14 +437,14 @@ void StoreGatedRows(const Problem<T>& p, int64_t row, int64_t panel, int64_t row
     }
 }
 
-// silu(gate) * up for R rows and gate panel `panel` (whole panels only); gate panel `prefetch` and
-// its up panel are prefetched meanwhile (-1: none).
+// silu(gate) * up for R rows and gate panel `panel` (whole panels only); row tile `tile` of `tiles`' share
+// of gate panel `prefetch` and of its up panel is prefetched meanwhile (-1: none).
 template <typename T, int R>
-void GatedTile(const Problem<T>& p, int64_t row, int64_t panel, int64_t prefetch) {
+void GatedTile(const Problem<T>& p, int64_t row, int64_t panel, int64_t prefetch, int64_t tile, int64_t tiles) {
   const auto up = [&p](int64_t b) { return b < 0 ? -1 : b + p.panels / 2; };
   Vec gate_acc[R][kVectors] = {}, up_acc[R][kVectors] = {};
-  Accumulate<T, R>(p, row, panel, gate_acc, p.panel(prefetch));
-  Accumulate<T, R>(p, row, up(panel), up_acc, p.panel(up(prefetch)));
+  Accumulate<T, R>(p, row, panel, gate_acc, ShareOf(p, prefetch, tile, tiles));
+  Accumulate<T, R>(p, row, up(panel), up_acc, ShareOf(p, up(prefetch), tile, tiles));
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kVectors; ++j) {
       const int64_t column = panel * kPanelWidth + j * kLanes;
@@ -447,7 +472,7 @@ void BlockTile(const Problem<T>& p, int64_t row, const typename T::WElem* w_pane
   Vec acc[R][kVectors];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kVectors; ++j) acc[r][j] = begin == 0 ? Vec{} : Load(c + r * kPanelWidth + j * kLanes);
-  AccumulateSteps<T, R>(p, p.x + row * p.steps, w_panel, acc, nullptr, begin, end);
+  AccumulateSteps<T, R>(p, p.x + row * p.steps, w_panel, acc, PrefetchShare{}, begin, end);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kVectors; ++j) Store(c + r * kPanelWidth + j * kLanes, acc[r][j]);
 }
@@ -713,34 +738,32 @@ int64_t PanelsPerItem(const Problem<T>& p, int64_t units, int64_t threads) {
   return 1;
 }
 
-// The row tile that prefetches the thread's next panel: the second, or the only one.
-template <typename T>
-int64_t PrefetchingRow(const Problem<T>& p) { return p.m > T::kRows ? T::kRows : 0; }
-
 // The rows of x from `first` (those before it done on the tile unit, TileUnitRows) in tiles of kRows,
 // then one tile of the rest, against one column panel; `next`, the panel this thread does next (-1:
-// none), is prefetched meanwhile.
+// none), is prefetched meanwhile, a share by each tile, where every row is done here.
 template <typename T, int... R>
 void Panel(const Problem<T>& p, int64_t panel, int64_t next, int64_t first, std::integer_sequence<int, R...>) {
-  using TileFn = void (*)(const Problem<T>&, int64_t, int64_t, int64_t, const typename T::WElem*);
+  using TileFn = void (*)(const Problem<T>&, int64_t, int64_t, int64_t, const PrefetchShare&);
   static constexpr TileFn kTiles[] = {nullptr, &Tile<T, R + 1>...};  // kTiles[r]: a tile of r rows
   const int64_t columns = std::min<int64_t>(kPanelWidth, p.n - panel * kPanelWidth);
   if (first == 0) first = BlockedRows<false>(p, panel, columns, std::integer_sequence<int, R...>());
+  const int64_t tiles = first == 0 ? (p.m + T::kRows - 1) / T::kRows : 0;
   for (int64_t row = first; row < p.m; row += T::kRows) {
     const int64_t rows = std::min<int64_t>(T::kRows, p.m - row);
-    kTiles[rows](p, row, panel, columns, row == PrefetchingRow(p) && first == 0 ? p.panel(next) : nullptr);
+    kTiles[rows](p, row, panel, columns, ShareOf(p, tiles > 0 ? next : -1, row / T::kRows, tiles));
   }
 }
 
 // The same for gate panel `panel` and its up panel.
 template <typename T, int... R>
 void GatedPanel(const Problem<T>& p, int64_t panel, int64_t next, int64_t first, std::integer_sequence<int, R...>) {
-  using TileFn = void (*)(const Problem<T>&, int64_t, int64_t, int64_t);
+  using TileFn = void (*)(const Problem<T>&, int64_t, int64_t, int64_t, int64_t, int64_t);
   static constexpr TileFn kTiles[] = {nullptr, &GatedTile<T, R + 1>...};
   if (first == 0) first = BlockedRows<true>(p, panel, kPanelWidth, std::integer_sequence<int, R...>());
+  const int64_t tiles = first == 0 ? (p.m + T::kRows - 1) / T::kRows : 0;
   for (int64_t row = first; row < p.m; row += T::kRows) {
     const int64_t rows = std::min<int64_t>(T::kRows, p.m - row);
-    kTiles[rows](p, row, panel, row == PrefetchingRow(p) && first == 0 ? next : -1);
+    kTiles[rows](p, row, panel, tiles > 0 ? next : -1, row / T::kRows, tiles);
   }
 }
 
