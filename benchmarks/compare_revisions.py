@@ -4,6 +4,7 @@ larger than most changes, so before and after must come from the same run).
 
     python benchmarks/compare_revisions.py BASE [HEAD] [--rounds 3] [--concurrency 1 8 32]
                                            [--base-flags "..."] [--head-flags "..."] [--client vllm]
+                                           [--temperature T [--top-p P] [--top-k K]]
 
 Each revision is checked out in its own worktree under --work-dir and served from there (`python -m
 jaxserve.cli serve` run in the worktree imports that worktree's jaxserve; both use this virtualenv's
@@ -49,6 +50,10 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="every request's (0: greedy); with --top-p / --top-k, sent by either client")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--work-dir", type=Path, default=REPO / ".bench")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "revisions.json")
     parser.add_argument("--client", choices=["jaxserve", "vllm"], default="jaxserve",
