@@ -215,6 +215,28 @@ def test_a_step_that_would_be_mostly_padding_takes_a_smaller_prompt_chunk(bucket
     assert prompt.num_computed_tokens + (7 if buckets else 1) == (256 if buckets else 257)
 
 
+@pytest.mark.parametrize("matmul_backend", ["xla", "cpu"])
+def test_the_engine_caps_steps_mostly_of_padding_only_where_padding_costs_compute(tiny_model_dir, matmul_backend):
+    """7 decode rows beside a new 128-token prompt fill a 256-token bucket to 53%. Under XLA's dot, which
+    multiplies every row of the bucket, the engine caps the step at 128 (the prompt's last 7 tokens wait a
+    step); the C++ matmul multiplies only the real rows, so there the prompt goes whole and its first token
+    comes a step sooner."""
+    engine, _ = LLMEngine.from_config(tiny_model_dir("llama"), EngineConfig(
+        max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256, block_size=8, num_kv_pages=160,
+        matmul_backend=matmul_backend), warmup=False)
+    assert engine.resolved.padding_rows_cost == (matmul_backend == "xla")
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    decoders = [engine.add_request(list(range(10 * i + 1, 10 * i + 11)), params) for i in range(7)]
+    while any(r.num_computed_tokens < 10 for r in decoders):
+        engine.step()
+    prompt = engine.add_request([100 + i % 200 for i in range(128)], params)
+    engine.step()
+    sizes = {r.request_id: n for r, n in engine.last_schedule.scheduled}
+    assert all(sizes[r.request_id] == 1 for r in decoders)
+    assert sizes[prompt.request_id] == (121 if matmul_backend == "xla" else 128)
+    assert bool(prompt.output_token_ids) == (matmul_backend == "cpu")
+
+
 def test_a_capped_step_leaves_a_prompt_beside_many_decode_rows_its_whole_chunk():
     """127 decode rows beside a new 50-token prompt fill a 256-token bucket to 69%: capped at 128, the
     prompt would get one token a step (the decode rows take 127) and its first token would come 50 steps

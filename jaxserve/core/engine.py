@@ -71,7 +71,9 @@ class LLMEngine:
         self.lora = EngineLoRA(cfg, self.model_cfg) if cfg.enable_lora else None  # adapters: core/lora.py
         for lora in cfg.lora_modules or ():  # served from the start (LoRAError if one cannot be)
             self.lora.add(lora)
-        self.scheduler = Scheduler(cfg, self.pool, self.runner.prefill_buckets, self.lora)
+        # Steps mostly of padding are capped only where padding costs compute (`padding_rows_cost`)
+        capped_buckets = self.runner.prefill_buckets if resolved.padding_rows_cost else None
+        self.scheduler = Scheduler(cfg, self.pool, capped_buckets, self.lora)
         self.requests: dict[str, Request] = {}
         self.grammars = Grammars(model.tokenizer, self.model_cfg.vocab_size)  # structured output, compiled and cached
         self._rng = random.Random(cfg.seed)

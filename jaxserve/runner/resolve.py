@@ -60,6 +60,14 @@ class ResolvedConfig:
     spec_batch_limit: int  # speculation's batch limit, 0 without speculation
     num_pages: int | None  # pages of the KV array, the dummy page 0 included; None until `size_pool`
 
+    @property
+    def padding_rows_cost(self) -> bool:
+        """Whether a prompt step's padding rows cost about what its real rows do: XLA's dots multiply every
+        row of the step's bucket; the C++ matmul (packed weights) multiplies only the real ones, so a step
+        mostly of padding costs little more than its tokens there (and the scheduler does not split a
+        prompt to spare its bucket: `Scheduler._token_budget`)."""
+        return self.packed_dtype is None
+
 
 def resolve_async_scheduling(setting: bool | None, platform: str, speculative: bool = False) -> bool:
     """Unset: on where the device runs apart from the host (a GPU); a CPU's host work and XLA share the cores.
