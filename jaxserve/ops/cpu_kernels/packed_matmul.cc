@@ -257,8 +257,8 @@ struct Problem {
 // `begin`, `per_step` of them at each step k (k * per_step onward), so that they arrive spread over the
 // tile's steps. Each of a panel's row tiles takes an equal share of the next panel (ShareOf), where one
 // tile alone prefetching a whole panel asked for three lines a step: more than one core's share of the
-// memory's rate, so that tile waited on it (at 32 rows on Zen 5, 5.9 us a gated panel for about 3.7 of
-// multiplies).
+// memory's rate, so that tile waited on it (at 32 rows on a Zen 5, 5.9 us a panel of the gated matmul for
+// about 3.3 of multiplies).
 struct PrefetchShare {
   const char* begin = nullptr;  // nullptr: nothing to prefetch
   int64_t lines = 0, per_step = 0;
