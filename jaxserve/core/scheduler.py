@@ -95,7 +95,8 @@ class Scheduler:
         """prefill_buckets: the token counts prompt steps are padded to (the model runner's), where a
         padded row costs what a real one does; with them, a step that would be mostly padding takes fewer
         prompt tokens (see `_token_budget`). None where padding costs little (the C++ matmul multiplies a
-        step's real rows only): there the cap's extra step would cost more than the padding. lora: the
+        step's real rows only): there the cap's extra step delays the prompt's first token by more than the
+        padding costs the step. lora: the
         engine's LoRA adapters (core/lora.py), whose device slots admission pins (enable_lora)."""
         self.cfg, self.pool, self.lora = cfg, pool, lora
         self.prefill_buckets = sorted(prefill_buckets or [])
