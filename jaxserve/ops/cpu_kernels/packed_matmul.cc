@@ -270,7 +270,7 @@ struct PrefetchShare {
   }
 };
 
-// Row tile `tile` of `tiles`' share of panel `panel` (-1: none).
+// Row tile `tile` of `tiles`' share of panel `panel` (none for panel -1, or no tiles).
 template <typename T>
 PrefetchShare ShareOf(const Problem<T>& p, int64_t panel, int64_t tile, int64_t tiles) {
   if (panel < 0 || tiles <= 0) return {};
@@ -750,7 +750,7 @@ void Panel(const Problem<T>& p, int64_t panel, int64_t next, int64_t first, std:
   const int64_t tiles = first == 0 ? (p.m + T::kRows - 1) / T::kRows : 0;
   for (int64_t row = first; row < p.m; row += T::kRows) {
     const int64_t rows = std::min<int64_t>(T::kRows, p.m - row);
-    kTiles[rows](p, row, panel, columns, ShareOf(p, tiles > 0 ? next : -1, row / T::kRows, tiles));
+    kTiles[rows](p, row, panel, columns, ShareOf(p, next, row / T::kRows, tiles));
   }
 }
 
@@ -763,7 +763,7 @@ void GatedPanel(const Problem<T>& p, int64_t panel, int64_t next, int64_t first,
   const int64_t tiles = first == 0 ? (p.m + T::kRows - 1) / T::kRows : 0;
   for (int64_t row = first; row < p.m; row += T::kRows) {
     const int64_t rows = std::min<int64_t>(T::kRows, p.m - row);
-    kTiles[rows](p, row, panel, tiles > 0 ? next : -1, row / T::kRows, tiles);
+    kTiles[rows](p, row, panel, next, row / T::kRows, tiles);
   }
 }
 
