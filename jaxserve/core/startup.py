@@ -20,8 +20,6 @@ def log_engine_shape(runner: ModelRunner, source: str) -> None:
                  f"({runner.kv_cache_bytes / 2**20:.0f} MiB)")
     STARTUP.info(f"weights {describe_weights(runner)}, {runner.device_weight_bytes / 2**20:.1f} MiB per device; "
                  f"KV pages {runner.cfg.kv_cache_dtype}, {runner.device_kv_cache_bytes / 2**20:.1f} MiB per device")
-    if runner.huge_pages is not None:
-        STARTUP.info("%s", runner.huge_pages.describe())
     if runner.mesh is not None:
         STARTUP.info(f"tensor parallel over {runner.mesh.size} {runner.mesh.devices.flat[0].platform} devices "
                      f"({runner.parallel.describe()}); per device: weights "

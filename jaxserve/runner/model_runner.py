@@ -32,7 +32,7 @@ from jaxserve.config.model_config import ModelConfig
 from jaxserve.models.transformer import forward, init_kv_cache, rope_position_tables, serving_params
 from jaxserve.ops.sampling import PromptLogprobs, SamplerOutput, sample
 from jaxserve.parallel.tensor_parallel import TensorParallel
-from jaxserve.runner import compilation, device_batch, huge_pages, lora_slots, prompt_logprobs, step_inputs
+from jaxserve.runner import compilation, device_batch, lora_slots, prompt_logprobs, step_inputs
 from jaxserve.runner.device_batch import BatchState
 from jaxserve.runner.resolve import ResolvedConfig, resolve_config, size_pool
 from jaxserve.runner.step_inputs import ScheduledSeq, StepInputBuilder, StepInputs
@@ -143,8 +143,6 @@ class ModelRunner:
             self.inputs = StepInputBuilder(model_cfg, self.cfg)  # max_model_len may be the pool's now
         self.kv_cache = self._init_kv_cache(self.num_pages)
         self.device_kv_cache_bytes = _bytes_on_first_device(self.kv_cache)
-        # On a CPU, the pages in 2 MiB pages of memory (huge_pages.py); None elsewhere
-        self.huge_pages = huge_pages.advise_zeroed_arrays(self.kv_cache) if self.platform == "cpu" else None
         self.batch_state = BatchState(*jax.tree.map(self._replicated, self.inputs.initial_state()))
         logger.debug(
             "KV cache: %d pages of %d tokens (%d max concurrent tokens), %.1f MiB; %s attention, %s matmuls",
