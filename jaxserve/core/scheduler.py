@@ -96,8 +96,8 @@ class Scheduler:
         padded row costs what a real one does; with them, a step that would be mostly padding takes fewer
         prompt tokens (see `_token_budget`). None where padding costs little (the C++ matmul multiplies a
         step's real rows only): there the cap's extra step delays the prompt's first token by more than the
-        padding costs the step. lora: the
-        engine's LoRA adapters (core/lora.py), whose device slots admission pins (enable_lora)."""
+        padding costs the step. lora: the engine's LoRA adapters (core/lora.py), whose device slots admission
+        pins (enable_lora)."""
         self.cfg, self.pool, self.lora = cfg, pool, lora
         self.prefill_buckets = sorted(prefill_buckets or [])
         # vLLM's partial-prefill limits: a prompt with more than `long_threshold` tokens left is long (0: none is)
