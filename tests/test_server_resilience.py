@@ -22,17 +22,29 @@ import httpx
 import pytest
 
 from server_helpers import AUTH, SMALL_FLAGS, metric, metric_samples, parse_sse, run_server
+from tiny_models import make_tiny_model
 
 from jaxserve.core.engine_loop import FAULT_HANG_DIR_ENV
 
 
+@pytest.fixture(scope="module")
+def long_tiny_model(tmp_path_factory):
+    """The tiny llama with 4,096 positions, for streams that outlast the checks made while they run."""
+    directory = tmp_path_factory.mktemp("tiny_llama_4096")
+    make_tiny_model("llama", directory, max_position_embeddings=4096)
+    return directory
+
+
 @contextlib.contextmanager
-def _sigterm_during_a_long_stream(tiny_model_dir, shutdown_timeout: str):
+def _sigterm_during_a_long_stream(model_dir, shutdown_timeout: str):
     """Starts a server and a long greedy stream, sends SIGTERM after its first chunk, and yields
     (the server, a function that reads the rest of the stream as (events, ended with [DONE])).
-    The tiny model streams the 480 tokens in about 0.3 s here, so only a zero timeout ends it for sure."""
-    body = {"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True, "stream": True, "temperature": 0}
-    with run_server([str(tiny_model_dir("llama")), *SMALL_FLAGS, "--shutdown-timeout", shutdown_timeout]) as srv:
+    The tiny model streamed 480 tokens in about 0.3 s, which a fast CPU finished before the checks after
+    SIGTERM had run (the drained server then gone: connection reset); 4,000 tokens take seconds, and only a
+    zero timeout ends them for sure."""
+    body = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True, "temperature": 0}
+    long_stream = ["--max-model-len", "4096", "--num-kv-pages", "1040"]  # after SMALL_FLAGS: these win
+    with run_server([str(model_dir), *SMALL_FLAGS, *long_stream, "--shutdown-timeout", shutdown_timeout]) as srv:
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, headers=AUTH, timeout=120) as response:
             lines = response.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
@@ -40,8 +52,8 @@ def _sigterm_during_a_long_stream(tiny_model_dir, shutdown_timeout: str):
             yield srv, lambda: parse_sse([first, *lines])
 
 
-def test_sigterm_drains_in_flight_streams_then_exits_0(tiny_model_dir):
-    with _sigterm_during_a_long_stream(tiny_model_dir, "120") as (srv, rest_of_stream):
+def test_sigterm_drains_in_flight_streams_then_exits_0(long_tiny_model):
+    with _sigterm_during_a_long_stream(long_tiny_model, "120") as (srv, rest_of_stream):
         time.sleep(0.2)
         refused = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=AUTH,
                              timeout=30)
@@ -54,8 +66,8 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(tiny_model_dir):
     assert srv.proc.wait(timeout=60) == 0
 
 
-def test_requests_still_running_at_the_shutdown_timeout_end_with_an_error_event(tiny_model_dir):
-    with _sigterm_during_a_long_stream(tiny_model_dir, "0") as (srv, rest_of_stream):
+def test_requests_still_running_at_the_shutdown_timeout_end_with_an_error_event(long_tiny_model):
+    with _sigterm_during_a_long_stream(long_tiny_model, "0") as (srv, rest_of_stream):
         events, done = rest_of_stream()
     assert done, "the stream must still end with [DONE]"
     assert sum(e["choices"][0]["finish_reason"] == "length" for e in events if "choices" in e) == 0
