@@ -37,12 +37,26 @@ def rms_norm(x, weight, eps: float):
     return (normed * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def _add_and_norm(h, add, weight, eps: float, fused: bool):
-    """(h + add, rms_norm of it). fused: one C++ kernel call on XLA:CPU (cpu_ffi.add_rms_norm), the norm
-    coming out rounded to bfloat16, as the next bfloat16 matmul takes it (XLA ran the add, the mean's
-    reduction and the scaling with its conversion as three passes over [T, E])."""
-    if fused:
-        return cpu_ffi.add_rms_norm(h, add, weight, eps)
+def _fused_norm_dtype(lp: dict, h, lora) -> jnp.dtype | None:
+    """The dtype the fused add and norm (`_add_and_norm`) gives the layer's qkv and gate_up matmuls: bfloat16
+    where both C++ kernels take bfloat16 rows, float32 where both are int8 (the kernel quantizes float32 rows
+    itself), else None: XLA's add and norm (float32 weights, the parity mode; XLA's dots; LoRA, whose deltas
+    read the norm unrounded)."""
+    if lora is not None or h.dtype != jnp.float32:
+        return None
+    if kernel_input_dtype(lp["w_qkv"]) == jnp.bfloat16 and kernel_input_dtype(lp["w_gate_up"]) == jnp.bfloat16:
+        return jnp.dtype(jnp.bfloat16)
+    if all(isinstance(lp[name], PackedWeight) and lp[name].kind == "int8" for name in ("w_qkv", "w_gate_up")):
+        return jnp.dtype(jnp.float32)
+    return None
+
+
+def _add_and_norm(h, add, weight, eps: float, fused: jnp.dtype | None):
+    """(h + add, rms_norm of it). fused (a dtype): one C++ kernel call on XLA:CPU (cpu_ffi.add_rms_norm), the
+    norm coming out in that dtype, as the next matmul takes it (XLA ran the add, the mean's reduction and the
+    scaling with its conversion as three passes over [T, E])."""
+    if fused is not None:
+        return cpu_ffi.add_rms_norm(h, add, weight, eps, fused)
     h = h + add
     return h, rms_norm(h, weight, eps)
 
@@ -192,7 +206,7 @@ def _layer(h, pending, k_pages, v_pages, lp, layer, cos, sin, md: AttentionMetad
            lora_branches: bool = True, lora_rank: int | None = None):
     """One decoder layer: h + pending (the layer before's MLP output; zeros before the first) in, and (h,
     this layer's MLP output) out, the output not yet added, so that each residual add goes with the norm
-    after it (`_add_and_norm`: one C++ call where the layer's matmuls take bfloat16 activations on XLA:CPU).
+    after it (`_add_and_norm`: one C++ call where the layer's matmuls are bfloat16 or int8 on XLA:CPU).
     Jitted on its own so that tracing and lowering happen once per step function, not once per layer; XLA still
     inlines it into each layer's place. Under tensor parallelism cfg is one device's share and the two
     all-reduces are the layer's only communication.
@@ -209,9 +223,7 @@ def _layer(h, pending, k_pages, v_pages, lp, layer, cos, sin, md: AttentionMetad
     num_tokens = h.shape[0]
     rows = md.cu_q_lens[-1]  # the real tokens; the packed CPU matmul skips the padding below them
     q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    # The fused add and norm round the norm to bfloat16 for the matmuls; LoRA's deltas read it unrounded.
-    fused = (lora is None and h.dtype == jnp.float32 and kernel_input_dtype(lp["w_qkv"]) == jnp.bfloat16
-             and kernel_input_dtype(lp["w_gate_up"]) == jnp.bfloat16)
+    fused = _fused_norm_dtype(lp, h, lora)
     h, x = _add_and_norm(h, pending, lp["attn_norm"], cfg.rms_norm_eps, fused)
     qkv = lora_added(matmul(x, lp["w_qkv"], rows),
                      lambda y: y + fused_delta(x, weights, QKV, mask).astype(y.dtype))

@@ -14,7 +14,7 @@
   threshold of each row, where XLA's reductions take dozens of passes over the vocabulary, and its greedy
   token in one pass over the row, where XLA's takes two; their Python side is `ops/sampling.py`.
 - `add_rms_norm` (`cpu_kernels/residual_norm.cc`): a decoder layer's residual add and the RMSNorm after it,
-  rounded to bfloat16 for the next bfloat16 matmul, in one pass over each row where XLA ran three
+  rounded to bfloat16 for the next bfloat16 matmul (or in float32 for the int8 one), in one pass over each row where XLA ran three
   operations; its user is `models/transformer.py`.
 
 All five spread their work over XLA's own intra-op threads. They need a C++ compiler (`c++`, or $CXX)
@@ -100,6 +100,7 @@ TARGETS = {  # FFI target -> handler symbol
     "jaxserve_truncation_threshold": "JaxserveTruncationThreshold",
     "jaxserve_argmax_rows": "JaxserveArgmaxRows",
     "jaxserve_add_rms_norm": "JaxserveAddRmsNorm",
+    "jaxserve_add_rms_norm_f32": "JaxserveAddRmsNormF32",
 }
 # The attention kernel's and the page writer's FFI targets by page dtype (float32 pages are written by XLA).
 _PAGE_SUFFIX = {jnp.dtype(jnp.float32): "", jnp.dtype(jnp.bfloat16): "_bf16_pages",
@@ -430,12 +431,16 @@ def rope_write_pages(k_pages, v_pages, layer, qkv, cos, sin, slot_mapping, *, nu
     return q, k_pages, v_pages
 
 
-def add_rms_norm(h, add, weight, eps: float):
-    """(h + add, rms_norm(h + add, weight, eps) rounded to bfloat16) for h, add [T, E] and weight [E], in one
-    kernel call (cpu_kernels/residual_norm.cc): the sum in float32, the norm as `transformer.rms_norm`
-    computes it in float32 (its mean summed in another order), rounded to nearest even. The sum takes h's
-    buffer where XLA can give it."""
+def add_rms_norm(h, add, weight, eps: float, norm_dtype=jnp.bfloat16):
+    """(h + add, rms_norm(h + add, weight, eps) in norm_dtype) for h, add [T, E] and weight [E], in one kernel
+    call (cpu_kernels/residual_norm.cc): the sum in float32, the norm as `transformer.rms_norm` computes it in
+    float32 (its mean summed in another order), rounded to nearest even under bfloat16 (the next bfloat16
+    matmul's input), kept in float32 under float32 (the int8 matmul's, which quantizes its rows itself). The
+    sum takes h's buffer where XLA can give it."""
     f32 = jnp.float32
-    out = (jax.ShapeDtypeStruct(h.shape, f32), jax.ShapeDtypeStruct(h.shape, jnp.bfloat16))
-    call = jax.ffi.ffi_call("jaxserve_add_rms_norm", out, input_output_aliases={0: 0})
+    bf16 = jnp.dtype(norm_dtype) == jnp.bfloat16
+    assert bf16 or jnp.dtype(norm_dtype) == f32, norm_dtype
+    out = (jax.ShapeDtypeStruct(h.shape, f32), jax.ShapeDtypeStruct(h.shape, norm_dtype))
+    call = jax.ffi.ffi_call("jaxserve_add_rms_norm" if bf16 else "jaxserve_add_rms_norm_f32", out,
+                            input_output_aliases={0: 0})
     return call(h.astype(f32), add.astype(f32), weight.astype(f32), eps=np.float32(eps))

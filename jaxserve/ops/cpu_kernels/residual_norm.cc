@@ -1,6 +1,7 @@
 // A decoder layer's residual add and the RMSNorm after it, for XLA:CPU, called through the XLA FFI (see
 // jaxserve/cpu_ffi.py, add_rms_norm): h_out = h + add, and x = h_out * rsqrt(mean(h_out^2) + eps) * weight
-// rounded to bfloat16 (to nearest even, as XLA's convert rounds), the input of the next bfloat16 matmul. One
+// rounded to bfloat16 (to nearest even, as XLA's convert rounds), the input of the next bfloat16 matmul, or
+// kept in float32 for the int8 matmul, which quantizes its float32 rows itself (jaxserve_add_rms_norm_f32). One
 // pass reads a row of h and add and writes h_out while it sums the squares; a second pass over the same row,
 // still in L1, writes x. XLA ran three operations there (the add, the mean's reduction, the scaling with its
 // conversion), each over the whole [T, hidden] array: about 8.7 ms of a 512-token prompt step of the default
@@ -40,7 +41,13 @@ Bf16 RoundBf16(float x) {
   return static_cast<Bf16>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-void NormRow(const float* h, const float* add, const float* weight, float eps, int64_t width, float* h_out, Bf16* x) {
+inline void StoreNorm(Bf16* x, Vec v) { StoreBf16(x, v); }
+inline void StoreNorm(float* x, Vec v) { Store(x, v); }
+inline Bf16 RoundNorm(float v, Bf16*) { return RoundBf16(v); }
+inline float RoundNorm(float v, float*) { return v; }
+
+template <typename X>
+void NormRow(const float* h, const float* add, const float* weight, float eps, int64_t width, float* h_out, X* x) {
   Vec squares = {};
   int64_t i = 0;
   for (; i + kLanes <= width; i += kLanes) {
@@ -55,13 +62,15 @@ void NormRow(const float* h, const float* add, const float* weight, float eps, i
     sum += h_out[j] * h_out[j];
   }
   const float scale = 1.0f / std::sqrt(sum / static_cast<float>(width) + eps);
-  for (i = 0; i + kLanes <= width; i += kLanes) StoreBf16(x + i, Load(h_out + i) * scale * Load(weight + i));
-  for (; i < width; ++i) x[i] = RoundBf16(h_out[i] * scale * weight[i]);
+  for (i = 0; i + kLanes <= width; i += kLanes) StoreNorm(x + i, Load(h_out + i) * scale * Load(weight + i));
+  for (; i < width; ++i) x[i] = RoundNorm(h_out[i] * scale * weight[i], x);
 }
 
+// X: the norm's element (Bf16 or float), XType its FFI type.
+template <typename X, ffi::DataType XType>
 ffi::Error AddRmsNorm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buffer<ffi::F32> add,
                       ffi::Buffer<ffi::F32> weight, float eps, ffi::ResultBuffer<ffi::F32> h_out,
-                      ffi::ResultBuffer<ffi::BF16> x) {
+                      ffi::ResultBuffer<XType> x) {
   const auto dims = h.dimensions();
   const auto same = [&](auto d) { return d.size() == 2 && d[0] == dims[0] && d[1] == dims[1]; };
   if (dims.size() != 2 || !same(add.dimensions()) || !same(h_out->dimensions()) || !same(x->dimensions()) ||
@@ -71,7 +80,7 @@ ffi::Error AddRmsNorm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buffer
   const int64_t rows = dims[0], width = dims[1];
   const float *h_in = h.typed_data(), *add_in = add.typed_data(), *w = weight.typed_data();
   float* h_res = h_out->typed_data();
-  Bf16* x_res = static_cast<Bf16*>(x->untyped_data());
+  X* x_res = static_cast<X*>(x->untyped_data());
   const auto norm_rows = [=](int64_t first, int64_t end) {
     for (int64_t r = first; r < end; ++r) {
       NormRow(h_in + r * width, add_in + r * width, w, eps, width, h_res + r * width, x_res + r * width);
@@ -87,14 +96,13 @@ ffi::Error AddRmsNorm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buffer
   return ffi::Error::Success();
 }
 
+template <ffi::DataType XType>
+auto Binding() {
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>().Attr<float>("eps").Ret<ffi::Buffer<ffi::F32>>().template Ret<ffi::Buffer<XType>>();
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveAddRmsNorm, AddRmsNorm,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("eps")
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveAddRmsNorm, (AddRmsNorm<Bf16, ffi::BF16>), Binding<ffi::BF16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveAddRmsNormF32, (AddRmsNorm<float, ffi::F32>), Binding<ffi::F32>());
