@@ -14,8 +14,8 @@
   threshold of each row, where XLA's reductions take dozens of passes over the vocabulary, and its greedy
   token in one pass over the row, where XLA's takes two; their Python side is `ops/sampling.py`.
 - `add_rms_norm` (`cpu_kernels/residual_norm.cc`): a decoder layer's residual add and the RMSNorm after it,
-  rounded to bfloat16 for the next bfloat16 matmul (or in float32 for the int8 one), in one pass over each row where XLA ran three
-  operations; its user is `models/transformer.py`.
+  rounded to bfloat16 for the next bfloat16 matmul (or in float32 for the int8 one), in one pass over each
+  row where XLA ran three operations; its user is `models/transformer.py`.
 
 All five spread their work over XLA's own intra-op threads. They need a C++ compiler (`c++`, or $CXX)
 once: the library is cached under ~/.cache/jaxserve/kernels (JAXSERVE_KERNEL_CACHE moves it), keyed
