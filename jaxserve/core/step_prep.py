@@ -91,7 +91,7 @@ def scheduled_seq(request: Request, num_new: int, req_indices: ReqIndices, faile
     try:
         suppress_ids = request.suppressed_token_ids
         req_index, write_row, write_history = req_indices.place(
-            (request, request.num_admissions), (len(request.page_table), request.num_page_trims, suppress_ids),
+            (request, request.num_admissions), (request.num_page_trims, suppress_ids),
             holds_req_index)
         samples = start + num_new == request.num_tokens
         write_row |= samples and request.grammar is not None  # its token bitmask changes every step

@@ -6,9 +6,10 @@ a page table that gains a page every `page_size` tokens. So the sampling setting
 rows, page tables (`block_tables`) and penalty histories sit in `BatchState`, one row per running
 sequence (plus one inert row for padding), carried and donated from step to step like the KV pages.
 The host writes only rows that changed (`RowUpdates`, applied by `write_rows` before the step: a newly
-placed sequence, a grown page table, EOS unbanned at min_tokens) and a penalty history only when a
-sequence takes a row; the step gathers its rows by req_index (`gather`) and appends each sampled token
-to its row's history itself (`append_tokens`), so the host never sends a history again. It also keeps
+placed sequence, a page table cut back, EOS unbanned at min_tokens) and a penalty history only when a
+sequence takes a row; the step records the page each of its tokens lands in (`record_pages`), so a page
+table that grows needs no row write, gathers its rows by req_index (`gather`) and appends each sampled
+token to its row's history itself (`append_tokens`), so the host never sends a history again. It also keeps
 the step's sampled tokens (`last_tokens`), which asynchronous scheduling feeds to the next step.
 
 `ReqIndices` is the host's side: which sequence holds which row, and what of its row the device has.
@@ -61,6 +62,24 @@ def write_rows(state: BatchState, updates: RowUpdates) -> BatchState:
     lora_slots = None if state.lora_slots is None else put(state.lora_slots, updates.lora_slots)
     return state._replace(block_tables=put(state.block_tables, updates.block_tables),
                           sampling=sampling._replace(history=history), lora_slots=lora_slots)
+
+
+def record_pages(state: BatchState, req_indices, cu_q_lens, positions, slot_mapping, page_size: int) -> BatchState:
+    """Writes the page each of the step's tokens lands in into its row's page table: the token at
+    position p of step row s (rows by `cu_q_lens`) goes to slot `slot_mapping`, so page slot // page_size
+    is column p // page_size of row req_indices[s]. A page table's new page thus reaches the device with
+    the first token written into it, and a grown table costs no row write (the attention reads no page
+    before a token lands in it). Padding tokens, past cu_q_lens[-1], and the padding row are left alone."""
+    tables = state.block_tables
+    num_rows = tables.shape[0]
+    tokens = jnp.arange(slot_mapping.shape[0], dtype=cu_q_lens.dtype)
+    # compare_all: no while loop (on a GPU each of its iterations would wait on the host)
+    step_rows = jnp.searchsorted(cu_q_lens[1:], tokens, side="right", method="compare_all")
+    step_rows = jnp.minimum(step_rows, req_indices.shape[0] - 1)
+    rows = req_indices[step_rows]
+    rows = jnp.where((tokens < cu_q_lens[-1]) & (rows < num_rows - 1), rows, num_rows)  # out of range: dropped
+    return state._replace(block_tables=tables.at[rows, positions // page_size].set(slot_mapping // page_size,
+                                                                                    mode="drop"))
 
 
 def gather(state: BatchState, req_indices, kv_lens) -> tuple[jax.Array, SamplingTensors]:

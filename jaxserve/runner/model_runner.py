@@ -61,9 +61,10 @@ def _step(params, kv_cache, inputs: StepInputs, *, cfg: ModelConfig, q_tile: int
 
 
 def _batch_step(params, kv_cache, state: BatchState, packed: tuple[jax.Array, jax.Array], *, step: Callable,
-                lora: tuple[int, int, bool] | None = None):
+                page_size: int, lora: tuple[int, int, bool] | None = None):
     """`step` over the persistent device batch (`device_batch.py`): each sequence's page table and
-    sampling settings come from its row there (its req_index), a token whose `prev_rows` entry is r >= 0
+    sampling settings come from its row there (its req_index), the pages its tokens land in recorded
+    first (`record_pages`), a token whose `prev_rows` entry is r >= 0
     is the one row r of the previous step sampled (asynchronous scheduling: the host has not read it),
     and the sampled tokens go back into the state; lora (max_loras, max_lora_rank, C++ kernel): each token
     runs with its row's adapter slot (lora_slots.py). `packed`: the step's inputs as `step_inputs.pack` gives them. Returns
@@ -71,6 +72,8 @@ def _batch_step(params, kv_cache, state: BatchState, packed: tuple[jax.Array, ja
     inputs = step_inputs.unpack(*packed)
     token_ids = jnp.where(inputs.prev_rows >= 0, state.last_tokens[jnp.maximum(inputs.prev_rows, 0)],
                           inputs.token_ids)
+    state = device_batch.record_pages(state, inputs.req_indices, inputs.md.cu_q_lens, inputs.positions,
+                                      inputs.md.slot_mapping, page_size)
     block_tables, rows = device_batch.gather(state, inputs.req_indices, inputs.md.kv_lens)
     lora_mask = None if lora is None else lora_slots.step_mask(state.lora_slots[inputs.req_indices],
                                                                inputs.md.cu_q_lens, len(token_ids), *lora)
@@ -113,7 +116,11 @@ class ModelRunner:
                                  sampler_branches=resolved.sampler_branches, sampler_kernel=resolved.sampler_kernel,
                                  **({"lora_rank": self.lora.rank} if lora_kernel else {}))
         lora = (self.lora.max_loras, self.lora.rank, lora_kernel) if self.lora else None
-        batched = lambda **kwargs: functools.partial(_batch_step, step=functools.partial(step, **kwargs), lora=lora)  # noqa: E731
+
+        def batched(**kwargs):
+            return functools.partial(_batch_step, step=functools.partial(step, **kwargs), page_size=self.cfg.page_size,
+                                     lora=lora)
+
         # A prefill step also hands out its last layer's output, which prompt logprobs read (prompt_logprobs.py)
         jit_prefill = functools.partial(self.parallel.jit, with_hidden=True) if self.parallel else jit
         self._prefill = jit_prefill(batched(q_tile=self.cfg.prefill_query_tile, return_hidden=True))
