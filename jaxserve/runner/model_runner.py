@@ -64,8 +64,8 @@ def _batch_step(params, kv_cache, state: BatchState, packed: tuple[jax.Array, ja
                 page_size: int, lora: tuple[int, int, bool] | None = None):
     """`step` over the persistent device batch (`device_batch.py`): each sequence's page table and
     sampling settings come from its row there (its req_index), the pages its tokens land in recorded
-    first (`record_pages`), a token whose `prev_rows` entry is r >= 0
-    is the one row r of the previous step sampled (asynchronous scheduling: the host has not read it),
+    first (`record_pages`), a token whose `prev_rows` entry is r >= 0 is the one row r of the previous
+    step sampled (asynchronous scheduling: the host has not read it),
     and the sampled tokens go back into the state; lora (max_loras, max_lora_rank, C++ kernel): each token
     runs with its row's adapter slot (lora_slots.py). `packed`: the step's inputs as `step_inputs.pack` gives them. Returns
     (sampler output, kv_cache, state), and the last layer's output [T, hidden] where `step` gives it."""
