@@ -71,15 +71,16 @@ def rounded(a, rounding: tuple[str, int] | None, axis: int):
     return xp.moveaxis(q.reshape(shape), -1, axis)
 
 
-def evaluate_schemes(model, schemes: list[str], max_tokens: int) -> list:
-    """[float32, then one `quality.Evaluation` per scheme]. The quantized-weight path (ops/quantized.py, which
+def evaluate_schemes(model, schemes: list[str], max_tokens: int = 4096, base: dict | None = None) -> list:
+    """[float32, then one `quality.Evaluation` per scheme] of `model` (None: the default model), each engine
+    built with `base` settings (LLM's keyword arguments) too. The quantized-weight path (ops/quantized.py, which
     `quantization="int8"` under `matmul_backend="xla"` puts every layer matmul and the LM head on) is
     patched for the run: a weight keeps its rounded float32 values with unit scales, and the matmul
     rounds its input and takes a float32 dot."""
     from jaxserve.bench import quality
     from jaxserve.ops import quantized
 
-    base = {"dtype": "float32", "kv_cache_dtype": "float32"}
+    base = {**(base or {}), "dtype": "float32", "kv_cache_dtype": "float32"}
     evaluations = [quality.evaluate(model, base, label="float32", max_tokens=max_tokens)]
     current = {}
 

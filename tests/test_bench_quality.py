@@ -176,3 +176,60 @@ def test_the_quality_split_measures_three_engines_and_the_weight_only_one_is_nei
     assert quantized.matmul is served_matmul
     assert "fp8 weights" in served.resolved and "xla matmul" in weights.resolved
     assert len({reference.perplexity, served.perplexity, weights.perplexity}) == 3
+
+
+def _quality_rounding():
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "benchmarks" / "quality_rounding.py"
+    spec = importlib.util.spec_from_file_location("quality_rounding", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_int8_rounding_by_groups_puts_each_group_on_its_own_grid_of_255_steps():
+    """benchmarks/quality_rounding.py's int8/G: each group of G along the contraction axis lands on
+    multiples of its own max |a| / 127, within half a step of a, its largest value kept exactly; int8 (no
+    G) is one group; bf16 is bfloat16's rounding; a scheme it cannot read is refused by name."""
+    module = _quality_rounding()
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((64, 6)).astype(np.float32) * np.linspace(0.1, 10, 64, dtype=np.float32)[:, None]
+    for group in (16, 32, 0):
+        q = module.rounded(a, module.parse_rounding(f"int8/{group}" if group else "int8"), axis=0)
+        size = group or 64
+        for g in range(64 // size):
+            block, qblock = a[g * size:(g + 1) * size], q[g * size:(g + 1) * size]
+            step = np.abs(block).max(axis=0) / 127
+            np.testing.assert_allclose(qblock / step, np.round(qblock / step), atol=1e-3)
+            assert (np.abs(qblock - block) <= step / 2 + 1e-6).all()
+            np.testing.assert_allclose(np.abs(qblock).max(axis=0), np.abs(block).max(axis=0), rtol=1e-6)
+    # the groups follow the contraction axis: rows of 16 rounded as a whole differ from columns of 16
+    by_rows = module.rounded(a.T, module.parse_rounding("int8/16"), axis=1)
+    np.testing.assert_allclose(by_rows, module.rounded(a, module.parse_rounding("int8/16"), axis=0).T)
+    assert np.abs(module.rounded(a, module.parse_rounding("int8/16"), axis=0) - a).max() < \
+        np.abs(module.rounded(a, module.parse_rounding("int8"), axis=0) - a).max()
+    bf16 = module.rounded(a, module.parse_rounding("bf16"), axis=0)
+    np.testing.assert_array_equal(bf16, np.asarray(torch.from_numpy(a).to(torch.bfloat16).float()))
+    assert module.rounded(a, None, axis=0) is not None and module.parse_rounding("none") is None
+    for bad in ("int4", "int8/0", "int8/x", "fp8"):
+        with pytest.raises(ValueError, match="rounding"):
+            module.parse_rounding(bad)
+    with pytest.raises(ValueError, match="not a multiple"):
+        module.rounded(a, ("int8", 48), axis=0)
+
+
+def test_the_rounding_schemes_run_on_the_quantized_path_and_leave_it_as_it_was(model_a):
+    """none:none through the patched quantized path is float32 itself (same perplexity, same greedy
+    tokens), each rounding moves the perplexity, and the served quantize and matmul are back afterwards."""
+    from jaxserve.ops import quantized
+
+    module = _quality_rounding()
+    served = quantized.QuantizedWeight.__dict__["quantize"], quantized.matmul
+    reference, plain, bf16, int8 = module.evaluate_schemes(str(model_a[0]), ["none:none", "bf16:bf16", "int8:int8/16"],
+                                                           max_tokens=64, base=LIMITS)
+    assert (quantized.QuantizedWeight.__dict__["quantize"], quantized.matmul) == served
+    assert "int8 weights" in plain.resolved and "xla matmul" in plain.resolved
+    np.testing.assert_allclose(plain.perplexity, reference.perplexity, rtol=1e-5)
+    assert plain.greedy == reference.greedy
+    assert len({reference.perplexity, bf16.perplexity, int8.perplexity}) == 3
