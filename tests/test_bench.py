@@ -541,3 +541,25 @@ def test_engine_phases_times_whole_batches_when_the_prompts_outlast_the_step_bud
     prompts = np.random.default_rng(0).integers(3, 250, size=(32, 40))
     r = engine_phases(llm.engine, prompts, decode_steps=8, async_scheduling=False, device_repeats=1)
     assert r["decode_steps"] == 8 and r["buckets_run"] == {"decode 32": 8}, r
+
+
+def test_the_instruction_peak_times_each_multiply_the_cpu_has_and_counts_its_flops(tmp_path):
+    """benchmarks/instruction_peak.py: a loop for each multiply-add instruction this CPU has builds and runs;
+    its FLOP/s is instructions a second times the instruction's FLOP (vpdpbusd's 128 are four times
+    vfmadd231ps zmm's 32), within what one core can issue, and the JSON holds the same rows."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("instruction_peak", REPO_ROOT / "benchmarks" / "instruction_peak.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "peak.json"
+    result = module.main(["--threads", "1", "--seconds", "0.05", "--out", str(out)])
+    flags = result["cpu_flags"].split()
+    assert [r["instruction"] for r in result["results"]] == [
+        name for name, (flag, _, _) in module.INSTRUCTIONS.items() if flag in flags]
+    assert result["results"], "an x86 CPU with AVX2 at least"
+    for row in result["results"]:
+        assert 1e8 < row["instructions_per_s_per_thread"] < 5e10, row
+        flop = module.INSTRUCTIONS[row["instruction"]][2]
+        assert row["gflops"] == pytest.approx(row["instructions_per_s_per_thread"] * flop / 1e9)
+    assert json.loads(out.read_text()) == result
