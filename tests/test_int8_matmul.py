@@ -48,7 +48,7 @@ def quantized_product(x: np.ndarray, packed: PackedWeight, n: int) -> np.ndarray
 
 @needs_kernels
 @pytest.mark.parametrize("k, n", [(4, 1), (32, 47), (64, 96), (576, 442), (576, 960)])
-@pytest.mark.parametrize("m", [1, 8, 9, 16, 17, 33])
+@pytest.mark.parametrize("m", [1, 8, 9, 16, 17, 33, 80])  # 80 x 576: x quantized on the pool's threads
 def test_int8_matmul_is_the_product_of_the_quantized_operands(m, k, n, matmul_path):
     """Exact integer sums (AMX's tdpbsud for whole blocks of 16 rows, vpdpbusd, vpmaddubsw, or widened bytes) then two
     scales: the float64 product of the quantized operands to float32's rounding, and within the
