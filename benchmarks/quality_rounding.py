@@ -14,9 +14,12 @@ layer matmuls' weights and inputs (and the LM head's) are rounded, each in one o
 
 Each rounded value is put back as float32 (fake quantization): what is measured is the rounding, not a
 kernel's sums. A scheme is WEIGHTS:INPUTS, e.g. `int8:none` (weights only, per column), `none:int8/64`
-(the inputs alone, the weights untouched). It is an analysis; jaxserve serves none of these as such.
+(the inputs alone, the weights untouched). --matrices rounds only the named matrices (a layer's w_qkv, wo,
+w_gate_up, w_down, and lm_head); the others stay float32, inputs included. It is an analysis; jaxserve
+serves none of these as such.
 
-    python benchmarks/quality_rounding.py [--schemes none:bf16 int8:none none:int8/64 ...] [--out FILE.json]
+    python benchmarks/quality_rounding.py [--schemes none:bf16 int8:none none:int8/64 ...]
+                                          [--matrices w_gate_up w_down] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_quantization import cpu_flags  # noqa: E402
 
+MATRICES = ("w_qkv", "wo", "w_gate_up", "w_down", "lm_head")  # transformer.MATRICES and the LM head
 DEFAULT_SCHEMES = ("bf16:bf16", "int8:none", "int8/32:none", "int8/64:none", "none:int8/64", "none:int8/32",
                    "none:int8/16", "int8/32:int8/32")
 
@@ -71,14 +75,20 @@ def rounded(a, rounding: tuple[str, int] | None, axis: int):
     return xp.moveaxis(q.reshape(shape), -1, axis)
 
 
-def evaluate_schemes(model, schemes: list[str], max_tokens: int = 4096, base: dict | None = None) -> list:
+def evaluate_schemes(model, schemes: list[str], max_tokens: int = 4096, base: dict | None = None,
+                     matrices: tuple[str, ...] = MATRICES) -> list:
     """[float32, then one `quality.Evaluation` per scheme] of `model` (None: the default model), each engine
     built with `base` settings (LLM's keyword arguments) too. The quantized-weight path (ops/quantized.py, which
     `quantization="int8"` under `matmul_backend="xla"` puts every layer matmul and the LM head on) is
     patched for the run: a weight keeps its rounded float32 values with unit scales, and the matmul
-    rounds its input and takes a float32 dot."""
+    rounds its input and takes a float32 dot. Only `matrices` take that path; the rest keep XLA's float32 dot."""
     from jaxserve.bench import quality
+    from jaxserve.models import transformer
     from jaxserve.ops import quantized
+
+    unknown = set(matrices) - set(MATRICES)
+    if unknown:
+        raise ValueError(f"unknown matrices {sorted(unknown)}: choose from {', '.join(MATRICES)}")
 
     base = {**(base or {}), "dtype": "float32", "kv_cache_dtype": "float32"}
     evaluations = [quality.evaluate(model, base, label="float32", max_tokens=max_tokens)]
@@ -93,8 +103,11 @@ def evaluate_schemes(model, schemes: list[str], max_tokens: int = 4096, base: di
         y = jnp.dot(rounded(x, current["inputs"], axis=-1), w.data, preferred_element_type=jnp.float32)
         return y.astype(x.dtype)
 
-    saved = quantized.QuantizedWeight.__dict__["quantize"], quantized.matmul
+    saved = (quantized.QuantizedWeight.__dict__["quantize"], quantized.matmul, transformer.MATRICES,
+             transformer.QUANTIZED_LM_HEADS)
     quantized.QuantizedWeight.quantize, quantized.matmul = classmethod(quantize), matmul
+    transformer.MATRICES = tuple(m for m in transformer.MATRICES if m in matrices)
+    transformer.QUANTIZED_LM_HEADS = ("int8",) if "lm_head" in matrices else ()
     try:
         for scheme in schemes:
             weights, _, inputs = scheme.partition(":")
@@ -103,7 +116,8 @@ def evaluate_schemes(model, schemes: list[str], max_tokens: int = 4096, base: di
             evaluations.append(quality.evaluate(model, {**base, "quantization": "int8", "matmul_backend": "xla"},
                                                 label=scheme, max_tokens=evaluations[0].num_tokens))
     finally:
-        quantized.QuantizedWeight.quantize, quantized.matmul = saved
+        (quantized.QuantizedWeight.quantize, quantized.matmul, transformer.MATRICES,
+         transformer.QUANTIZED_LM_HEADS) = saved
         jax.clear_caches()
     return evaluations
 
@@ -113,6 +127,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default=None, help="a model directory or GGUF file (default: the default model)")
     parser.add_argument("--schemes", nargs="+", default=list(DEFAULT_SCHEMES),
                         help="WEIGHTS:INPUTS, each none, bf16, int8 or int8/G")
+    parser.add_argument("--matrices", nargs="+", default=list(MATRICES), choices=MATRICES,
+                        help="round only these (default: all)")
     parser.add_argument("--max-tokens", type=int, default=4096)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -122,10 +138,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     from jaxserve.bench import quality
 
-    evaluations = evaluate_schemes(args.model, args.schemes, args.max_tokens)
+    evaluations = evaluate_schemes(args.model, args.schemes, args.max_tokens, matrices=tuple(args.matrices))
     reference = evaluations[0]
     cpu = f"{platform.machine()}, flags: {cpu_flags()}"
-    rows, result = [], {"cpu": cpu, "num_tokens": reference.num_tokens, "schemes": {}}
+    rows, result = [], {"cpu": cpu, "num_tokens": reference.num_tokens, "matrices": args.matrices, "schemes": {}}
     for evaluation in evaluations[1:]:
         _, report = quality.report(reference, evaluation)
         ratio, equal = report["perplexity_ratio"], report["greedy"]["num_equal"]
@@ -134,8 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
                     f"{equal}/{report['greedy']['num_prompts']} |")
         result["schemes"][evaluation.label] = {"perplexity": evaluation.perplexity, "perplexity_ratio": ratio,
                                                "greedy_equal": equal, "differences": report["greedy"]["differences"]}
-    print(f"\n{cpu}. Perplexity over the first {reference.num_tokens} tokens of {quality.TEXT_PATH.name} "
-          f"(float32: {reference.perplexity:.4f}); greedy: {quality.NUM_GREEDY_TOKENS} tokens on "
+    print(f"\n{cpu}. Rounded: {', '.join(args.matrices)}. Perplexity over the first {reference.num_tokens} tokens "
+          f"of {quality.TEXT_PATH.name} (float32: {reference.perplexity:.4f}); greedy: {quality.NUM_GREEDY_TOKENS} tokens on "
           f"{len(reference.greedy)} prompts equal to float32's.\n")
     print("| weights | matmul inputs | perplexity | vs float32 | greedy = float32 |\n|---|---|---|---|---|")
     print("\n".join(rows))
