@@ -139,14 +139,18 @@ def test_the_text_holds_4000_tokens_of_the_default_model():
     assert len(load_tokenizer(None).encode(quality.load_text(), add_special_tokens=False)) >= 4000
 
 
-def _quality_split():
+def _benchmark(name: str):
+    """benchmarks/<name>.py as a module."""
     import importlib.util
 
-    path = Path(__file__).parents[1] / "benchmarks" / "quality_split.py"
-    spec = importlib.util.spec_from_file_location("quality_split", path)
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _quality_split():
+    return _benchmark("quality_split")
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
@@ -179,13 +183,7 @@ def test_the_quality_split_measures_three_engines_and_the_weight_only_one_is_nei
 
 
 def _quality_rounding():
-    import importlib.util
-
-    path = Path(__file__).parents[1] / "benchmarks" / "quality_rounding.py"
-    spec = importlib.util.spec_from_file_location("quality_rounding", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _benchmark("quality_rounding")
 
 
 def test_int8_rounding_by_groups_puts_each_group_on_its_own_grid_of_255_steps():
