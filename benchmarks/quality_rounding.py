@@ -9,8 +9,9 @@ layer matmuls' weights and inputs (and the LM head's) are rounded, each in one o
   bf16        rounded to bfloat16 (round to nearest even): 16-bit rounding, for scale
   int8        symmetric int8 with one scale per output column (weights) or per token (inputs)
   int8/G      symmetric int8 with a scale per group of G consecutive k (weights: per column and group;
-              inputs: per token and group). The C++ kernel's W8A8 takes its inputs in groups of 64
-              (32 on AVX2); a checkpoint's blocks (GGUF's 32) are weight groups.
+              inputs: per token and group). The C++ kernel's W8A8 takes its inputs in groups of
+              packed_matmul.int8_group(K): 96 and 128 for this model's 576 and 1,536 (64 and 128 on a
+              CPU with AMX); a checkpoint's blocks (GGUF's 32) are weight groups.
 
 Each rounded value is put back as float32 (fake quantization): what is measured is the rounding, not a
 kernel's sums. A scheme is WEIGHTS:INPUTS, e.g. `int8:none` (weights only, per column), `none:int8/64`
