@@ -32,6 +32,7 @@ from jaxserve.models.transformer import forward
 from jaxserve.ops.packed_matmul import PackedWeight
 from jaxserve.ops.quantized import QuantizedWeight
 from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.resolve import resolve_config
 from jaxserve.weights import hf, load_model
 from paged_helpers import SeqChunk, assign_pages, make_batch
 
@@ -117,7 +118,7 @@ def _runner(path, **settings) -> ModelRunner:
     model = load_model(path, "float32")
     cfg = EngineConfig(**{**dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, num_kv_pages=24),
                           **settings})
-    return ModelRunner(model.config, cfg, model.params)
+    return ModelRunner(model.config, resolve_config(cfg, model.config, source=model.source), model.params)
 
 
 def _logits(runner: ModelRunner) -> np.ndarray:
@@ -248,6 +249,18 @@ def test_a_conflicting_flag_is_refused(checkpoints):
     assert _runner(path, quantization="int8").cfg.quantization == "int8"
 
 
+def test_vllm_names_of_a_checkpoints_own_format_are_checked_against_it(checkpoints):
+    """quantization='compressed-tensors' (vLLM's name for such a checkpoint) serves its weights as stored
+    and is refused, by name, for a float checkpoint; 'gguf' is refused for anything but a .gguf file."""
+    path, reference = checkpoints["compressed-tensors int8"]
+    runner = _runner(path, quantization="compressed-tensors")
+    assert runner.cfg.quantization == "int8" and runner.resolved.packed_dtype == "int8"
+    with pytest.raises(ValueError, match=r"quantization='compressed-tensors'.*declares no quantization_config"):
+        _runner(reference, quantization="compressed-tensors")
+    with pytest.raises(ValueError, match=r"quantization='gguf'.*is not a \.gguf file"):
+        _runner(path, quantization="gguf")
+
+
 def _with_config(checkpoints, tmp_path, change) -> Path:
     """A copy of the compressed-tensors int8 checkpoint whose quantization_config `change` rewrites."""
     source, _ = checkpoints["compressed-tensors int8"]
@@ -326,6 +339,10 @@ def test_a_q8_0_gguf_serves_from_int8_weights(tmp_path):
     got, want = _logits(runner), _logits(_runner(path, max_model_len=64))
     error = np.abs(got - want) / want.std()
     assert np.sqrt(np.mean(error**2)) < 0.03 and np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.95
+    # vLLM's name for keeping a GGUF quantized: the same int8 weights and logits
+    kept = _runner(path, quantization="gguf", max_model_len=64)
+    assert kept.cfg.quantization == "int8" and kept.resolved.packed_dtype == "int8"
+    np.testing.assert_array_equal(_logits(kept), got)
 
 
 def test_tensor_parallelism_over_a_quantized_checkpoint_is_refused_by_name(checkpoints):

@@ -69,8 +69,10 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8", "fp8_e4m3", "float8_e4m
 # vLLM's names. int8: int8 weights with per-channel scales, activations quantized per token as each matmul
 # runs (W8A8; in the C++ CPU matmul, per group of a token's values); fp8: float8 e4m3 weights with per-channel
 # scales, on a GPU with fp8 activations (W8A8), in the C++ CPU matmul with bfloat16 ones (W8A16: a CPU has no
-# fp8 arithmetic). Unset: the checkpoint's own (a quantization_config), else none.
-QUANTIZATIONS = ("int8", "fp8")
+# fp8 arithmetic). Unset: the checkpoint's own (a quantization_config), else none. compressed-tensors and gguf
+# name a checkpoint's own format, as vLLM's do (runner/resolve.py checks the checkpoint is one): the first is
+# its 8-bit weights as stored, the second a GGUF file kept quantized, every tensor type requantized to int8.
+QUANTIZATIONS = ("int8", "fp8", "compressed-tensors", "gguf")
 # vLLM's: fcfs orders by arrival alone; priority lets a request's `priority` (lower first) order admission and
 # choose preemption victims, so off by default: any client could otherwise jump the queue.
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -147,7 +149,9 @@ class EngineConfig:
         None, "int8: the weight matrices in int8 with a scale per output channel, activations quantized per token "
               "as each matmul runs (the C++ CPU matmul's VNNI dot, or XLA's int8 dot); fp8: the same in float8 "
               "e4m3 (XLA's fp8 GEMM on a Hopper GPU; on a CPU the C++ matmul with bfloat16 activations, W8A16); "
-              "default: none, or what the checkpoint declares",
+              "compressed-tensors: the checkpoint's 8-bit weights as its quantization_config declares them (the "
+              "default for such a checkpoint); gguf: a GGUF file kept quantized (its weights requantized to int8, "
+              "as int8 serves them); default: none, or what the checkpoint declares",
         choices=QUANTIZATIONS)
     seed: int = setting(0, "seed of the seeds drawn for requests that bring none (and of dummy weights)")
     load_format: str = setting(

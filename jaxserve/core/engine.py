@@ -61,7 +61,7 @@ class LLMEngine:
         resolved here."""
         self.model_cfg = model.config
         self.tokenizer = model.tokenizer
-        resolved = cfg if isinstance(cfg, ResolvedConfig) else resolve_config(cfg, model.config)
+        resolved = cfg if isinstance(cfg, ResolvedConfig) else resolve_config(cfg, model.config, source=model.source)
         self.runner = ModelRunner(self.model_cfg, resolved, model.params, draw=model.draw)
         self.resolved = resolved = self.runner.resolved  # with the pool sized, where it is sized from memory
         self.cfg = cfg = resolved.engine  # every setting a number: those left unset chosen for the device
@@ -116,7 +116,7 @@ class LLMEngine:
             raise SystemExit(0)
         loaded = load_model(model, dtype, lazy=cfg.tensor_parallel_size > 1, load_format=cfg.load_format,
                             seed=cfg.seed)
-        engine = cls(loaded, resolve_config(cfg, loaded.config, device, dtype=dtype))
+        engine = cls(loaded, resolve_config(cfg, loaded.config, device, dtype=dtype, source=loaded.source))
         log_engine_shape(engine.runner, engine.model.source)
         if not warmup:
             return engine, None

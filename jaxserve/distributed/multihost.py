@@ -538,7 +538,7 @@ def run_follower(model, cfg: EngineConfig, dtype: str, show_progress: bool = Tru
 
     secret = load_secret(cfg)
     loaded = load_model(model, dtype, lazy=True)  # only this process's slices are read
-    runner = ModelRunner(loaded.config, resolve_config(cfg, loaded.config, dtype=dtype), loaded.params)
+    runner = ModelRunner(loaded.config, resolve_config(cfg, loaded.config, dtype=dtype, source=loaded.source), loaded.params)
     runner.warmup(show_progress)
     STARTUP.info("follower rank %d ready (%s); connecting to the leader", cfg.node_rank, runner.describe_weights_read())
     try:

@@ -94,16 +94,39 @@ def _defaults(cfg: EngineConfig, model_cfg: ModelConfig, device: DeviceInfo, hal
     return engine, tuple(c for c in chosen if not (half_precision and c.startswith("dtype ")))
 
 
+def checkpoint_quantization_for(cfg: EngineConfig, model_cfg: ModelConfig, source: str | None) -> str | None:
+    """The weights' quantization ("int8", "fp8" or None) that `cfg.quantization` asks of the checkpoint at
+    `source` (its path; None: not known) whose config is `model_cfg`. The names of a checkpoint's own format
+    are checked against it, as vLLM checks them: compressed-tensors wants 8-bit weights declared by its
+    quantization_config (served as stored), gguf a GGUF file (kept quantized: int8). A checkpoint stored in
+    8 bits is served so, and a different 8-bit type asked of it is refused."""
+    asked, stored = cfg.quantization, model_cfg.quantization
+    if asked == "compressed-tensors":
+        if stored is None:
+            raise ValueError("quantization='compressed-tensors' names a checkpoint's own 8-bit weights, but this "
+                             "checkpoint declares no quantization_config: leave quantization unset, or ask "
+                             "for 'int8' or 'fp8' to quantize its float weights")
+        return stored
+    if asked == "gguf":
+        if source is None or not str(source).endswith(".gguf"):
+            model = f"the model {str(source)!r}" if source else "the model (its file not known here)"
+            raise ValueError(f"quantization='gguf' keeps a GGUF file's weights quantized, but {model} is not a "
+                             f".gguf file: leave quantization unset, or ask for 'int8' or 'fp8'")
+        return "int8"
+    if stored and asked not in (None, stored):
+        raise ValueError(f"quantization={asked!r}, but the checkpoint's weights are stored in {stored} (its "
+                         f"quantization_config): leave quantization unset")
+    return asked or stored
+
+
 def resolve_config(cfg: EngineConfig, model_cfg: ModelConfig, device: DeviceInfo | None = None, *,
-                   platform: str | None = None, dtype: str | None = None) -> ResolvedConfig:
+                   platform: str | None = None, dtype: str | None = None, source: str | None = None) -> ResolvedConfig:
     """The record for serving a model of `model_cfg` with `cfg` on `device` (this machine's by default).
     platform: decide for "gpu" or "cpu" instead of this machine (check-lowering). dtype: the engine's dtype
-    when the caller decided it already (`device_defaults.resolve_dtype`: the weights load in it)."""
+    when the caller decided it already (`device_defaults.resolve_dtype`: the weights load in it). source:
+    the model's path, which quantization "gguf" checks."""
     device = device or (DeviceInfo.target(platform) if platform else DeviceInfo.local())
-    if model_cfg.quantization and cfg.quantization not in (None, model_cfg.quantization):
-        raise ValueError(f"quantization={cfg.quantization!r}, but the checkpoint's weights are stored in "
-                         f"{model_cfg.quantization} (its quantization_config): leave quantization unset")
-    cfg = dataclasses.replace(cfg, quantization=cfg.quantization or model_cfg.quantization)
+    cfg = dataclasses.replace(cfg, quantization=checkpoint_quantization_for(cfg, model_cfg, source))
     tp = cfg.tensor_parallel_size
     layout = HeadLayout.for_model(model_cfg, tp) if tp > 1 else None
     device_model = layout.device_config(model_cfg) if layout else model_cfg
