@@ -1,7 +1,7 @@
 """The C++ paged attention on the CPU (`paged_row_attention`) for one layer of the default model, by case.
 
     python benchmarks/bench_cpu_attention.py [--cases prompt:512:0 prompt:512:1024 decode:32:384]
-                                             [--page-dtype float32|bfloat16] [--bf16-products]
+                                             [--page-dtype float32|bfloat16|fp8] [--bf16-products]
                                              [--repeats 11] [--out FILE]
 
 The heads are the default model's (SmolLM2-135M: 9 query heads over 3 KV heads of 64), pages of 16
@@ -34,6 +34,7 @@ from bench_cpu_matmul import median_seconds  # noqa: E402
 from jaxserve.ops import cpu_ffi  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
+PAGE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
 
 
 def build(kind: str, n: int, where: int, page_dtype, rng: np.random.Generator):
@@ -61,7 +62,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="+", default=["prompt:512:0", "prompt:512:512", "prompt:512:1024",
                                                        "decode:1:1024", "decode:32:384"])
-    parser.add_argument("--page-dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--page-dtype", choices=list(PAGE_DTYPES), default="float32",
+                        help="the KV pages' dtype (fp8: float8 e4m3, kv_cache_dtype fp8)")
     parser.add_argument("--bf16-products", action="store_true",
                         help="bfloat16 operands for the products, as the engine's cpu-bf16 attention backend")
     parser.add_argument("--repeats", type=int, default=11)
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         kind, n, where = case.split(":")
         if kind not in ("prompt", "decode"):
             raise SystemExit(f"unknown case kind {kind!r} in {case!r}: prompt or decode")
-        *operands, flop = build(kind, int(n), int(where), jnp.dtype(args.page_dtype), rng)
+        *operands, flop = build(kind, int(n), int(where), PAGE_DTYPES[args.page_dtype], rng)
         seconds = median_seconds(attend, *operands, repeats=args.repeats)
         results.append({"case": case, "ms": seconds * 1e3, "gflops": flop / seconds / 1e9})
         print(f"{case:18s} {seconds * 1e3:9.3f} ms {flop / seconds / 1e9:7.1f} GFLOP/s", flush=True)

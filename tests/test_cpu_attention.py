@@ -293,17 +293,27 @@ def rounded_decode_reference(q, k_pages, v_pages, md, num_rows, scale, window, s
     return out
 
 
+def flush_fp8_subnormals(pages):
+    """float8 e4m3 pages widened to float32 as cpu-bf16's decode rows read them: the subnormals (under 2^-6 in
+    magnitude) as zero."""
+    x = np.asarray(pages.astype(jnp.float32))
+    return jnp.asarray(np.where(np.abs(x) < 2.0 ** -6, 0.0, x).astype(np.float32))
+
+
+@pytest.mark.parametrize("page_dtype", ["bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("head_dim,page_size,group,window,soft_cap", CASES[:4])
-def test_bf16_products_attend_decode_rows_on_bfloat16_pages_as_they_lie(head_dim, page_size, group, window,
-                                                                        soft_cap, matmul_path):
-    """cpu-bf16 over bfloat16 pages: a decode row multiplies the pages' own bfloat16 keys and values by its
-    query and its softmax weights rounded to bfloat16 (vdpbf16ps, or the scores on AMX tiles; float32 sums),
-    so it agrees with a reference that rounds the same operands far more closely than rounding moves the
-    result, and differs from backend "cpu" (float32 queries and weights) on the same pages. Without the
-    instruction the flag changes nothing."""
+def test_bf16_products_attend_decode_rows_on_narrow_pages_as_they_lie(head_dim, page_size, group, window,
+                                                                      soft_cap, page_dtype, matmul_path):
+    """cpu-bf16 over bfloat16 or float8 pages: a decode row multiplies the pages' own keys and values (float8
+    widened to bfloat16 in the register, exact but for e4m3's subnormals, read as zero) by its query and its
+    softmax weights rounded to bfloat16 (vdpbf16ps, or the scores on AMX tiles; float32 sums), so it agrees
+    with a reference that rounds the same operands far more closely than rounding moves the result, and
+    differs from backend "cpu" (float32 queries and weights) on the same pages. Without the instruction the
+    flag changes nothing. The windows of the second and fourth cases start rows at odd keys, whose weights
+    are paired key by key rather than once a row."""
     q, k, v, md, real_tokens = build_case(decode_lengths(page_size), page_size=page_size, head_dim=head_dim,
                                           group=group, dtype="float32", seed=8)
-    k16, v16 = to_page_dtype(k, "bfloat16"), to_page_dtype(v, "bfloat16")
+    k16, v16 = to_page_dtype(k, page_dtype), to_page_dtype(v, page_dtype)
     kw = dict(scale=head_dim ** -0.5, sliding_window=window, soft_cap=soft_cap)
     out = {b: np.asarray(jax.jit(functools.partial(paged_attention, backend=b, decode_only=True, **kw))(
         q, k16, v16, LAYER, md))[:real_tokens] for b in ("cpu", "cpu-bf16")}
@@ -314,11 +324,32 @@ def test_bf16_products_attend_decode_rows_on_bfloat16_pages_as_they_lie(head_dim
                                                            LAYER, md.cu_q_lens, md.kv_lens, md.block_tables,
                                                            **kw))[:real_tokens]
     np.testing.assert_allclose(out["cpu"], exact, atol=2e-5, rtol=1e-5)
-    rounded = rounded_decode_reference(q, k16, v16, md, real_tokens, kw["scale"], window, soft_cap)
+    read = (k16, v16) if page_dtype == "bfloat16" else (flush_fp8_subnormals(k16), flush_fp8_subnormals(v16))
+    rounded = rounded_decode_reference(q, *read, md, real_tokens, kw["scale"], window, soft_cap)
     rounding = np.abs(rounded - exact).max()
     assert rounding > 1e-4, "the case must be one where rounding the operands shows"
     assert np.abs(out["cpu-bf16"] - rounded).max() < rounding / 20, (np.abs(out["cpu-bf16"] - rounded).max(), rounding)
     assert np.abs(out["cpu-bf16"] - out["cpu"]).max() > rounding / 2
+
+
+def test_bf16_products_over_fp8_pages_keep_small_and_large_products():
+    """float8 pages under cpu-bf16: the kernel scales the queries and weights up and the sums down by powers of
+    two around the widened pages (their values times 2^-120), so neither large queries nor small weights lose
+    their products to float32's range: a row whose scaled query reaches 2^12 and whose softmax spreads its
+    weight down to 2^-60 gives the reference's result within bfloat16's rounding."""
+    if not cpu_ffi.bf16_dot_instructions():
+        pytest.skip("needs AVX512-BF16")
+    q, k, v, md, real_tokens = build_case(decode_lengths(16), page_size=16, head_dim=64, group=3, dtype="float32",
+                                          seed=9)
+    k8, v8 = to_page_dtype(k, "float8_e4m3fn"), to_page_dtype(v, "float8_e4m3fn")
+    for q_scale in (2.0 ** -8, 1.0, 64.0):  # scores spread over a few units, or over thousands
+        big_q = q * q_scale
+        attend = jax.jit(functools.partial(paged_attention, backend="cpu-bf16", decode_only=True, scale=0.125))
+        out = np.asarray(attend(big_q, k8, v8, LAYER, md))[:real_tokens]
+        ref = rounded_decode_reference(big_q, flush_fp8_subnormals(k8), flush_fp8_subnormals(v8), md, real_tokens,
+                                       0.125, 0, 0.0)
+        assert np.isfinite(out).all() and np.abs(out).max() > 0.1
+        np.testing.assert_allclose(out, ref, atol=2e-3, rtol=2e-3, err_msg=f"{q_scale=}")
 
 
 def test_cpu_kernel_reads_the_layer_it_is_given_inside_a_layer_loop():

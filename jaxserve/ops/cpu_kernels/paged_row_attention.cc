@@ -143,9 +143,10 @@ Vec FoldPair(Vec a, Vec b, std::integer_sequence<int, L...>) {
   return __builtin_shufflevector(a, b, FoldLane(L, S)...) + __builtin_shufflevector(a, b, (FoldLane(L, S) + S)...);
 }
 
-// v[0..N-1] -> lane l of v[0] is the sum of v[l]'s lanes (v is overwritten).
+// v[0..N-1] -> lane l of v[0] is the sum of v[l]'s lanes (v is overwritten). Inlined: called out of line
+// from a decode row's scores loop, every 16 keys of a head paid a call and a vzeroupper.
 template <int N>
-void FoldLanes(Vec* v) {
+__attribute__((always_inline)) inline void FoldLanes(Vec* v) {
   if constexpr (N > 1) {
     for (int k = 0; k < N / 2; ++k) {
       v[k] = FoldPair<N / 2>(v[k], v[k + N / 2], std::make_integer_sequence<int, kLanes>());
@@ -287,15 +288,54 @@ class SpreadPrefetch {
 // in the cache (the next page arriving meanwhile, see SpreadPrefetch). A KV head's G queries stay in
 // registers while its keys in the page are scored, its G accumulators while its values are summed;
 // dot products are folded kLanes at a time (see FoldLanes).
-// Whether AttendGrouped can score bfloat16 pages with vdpbf16ps (see GroupedScores).
+// Whether AttendGrouped multiplies a page's keys and values as bfloat16 pairs with vdpbf16ps (see
+// GroupedScores, GroupedValues): bfloat16 pages as they lie, float8 pages widened to bfloat16 bits in the
+// register (Fp8Words).
 template <typename Page>
-constexpr bool kPairScores = kBf16Products && std::is_same_v<Page, Bf16>;
+constexpr bool kPairPages = kBf16Products && (std::is_same_v<Page, Bf16> || std::is_same_v<Page, Fp8>);
+
+// A float8 page's pairs hold its values times 2^-120 (Fp8Words). The queries and the softmax weights that
+// multiply them come in times 2^64, so that no product of a normal e4m3 value falls under float32's normal
+// range (vdpbf16ps flushes those to zero; a query's or weight's element would need to be under 2^-70 of
+// its own), and the sums go out times 2^56. Powers of two: the same roundings as bfloat16 pages'. 1 for
+// those.
+template <typename Page>
+constexpr float kPairIn = std::is_same_v<Page, Fp8> ? 0x1p64f : 1.0f;
+template <typename Page>
+constexpr float kPairOut = std::is_same_v<Page, Fp8> ? 0x1p56f : 1.0f;
+
+// 32 float8 e4m3 elements as the bfloat16 bits of their values times 2^-120, in order (a vector of pairs,
+// the even element in each lane's low half): each byte sign-extended to 16 bits and shifted up by 4 puts
+// its exponent and mantissa under bfloat16's (bits 10..4) and copies of its sign at 15..11, of which the
+// mask keeps bit 15. Exact for every normal e4m3; its subnormals (under 2^-6) land on bfloat16 subnormals,
+// which vdpbf16ps reads as zero, so a page's elements under 2^-6 in magnitude count as zero here (e4m3 itself
+// rounds an element of 2^-3..2^-2 by up to 2^-7). Three instructions (vpmovsxbw, vpsllw, vpandd).
+inline uint16_t Fp8Bf16Bits(uint8_t b) {
+  return static_cast<uint16_t>((static_cast<int32_t>(static_cast<int8_t>(b)) << 4) & 0x87f0);
+}
+inline PairVec Fp8Words(const Fp8* x) {
+#if defined(__AVX512BW__)
+  if constexpr (kLanes == 16) {
+    const __m512i words = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+    return (PairVec)_mm512_and_si512(_mm512_slli_epi16(words, 4), _mm512_set1_epi16(static_cast<int16_t>(0x87f0)));
+  }
+#endif
+  const auto* b = reinterpret_cast<const uint8_t*>(x);
+  PairVec v;
+  for (int l = 0; l < kLanes; ++l) v[l] = Fp8Bf16Bits(b[2 * l]) | static_cast<uint32_t>(Fp8Bf16Bits(b[2 * l + 1])) << 16;
+  return v;
+}
+
+// Elements 2 kLanes v .. 2 kLanes (v + 1) - 1 of a page's row as pairs (kPairPages).
+inline PairVec PagePairs(const Bf16* row, int v) { return LoadPairs(reinterpret_cast<const uint32_t*>(row) + v * kLanes); }
+inline PairVec PagePairs(const Fp8* row, int v) { return Fp8Words(row + 2 * kLanes * v); }
 
 // The scores pass of AttendGrouped: scores[h, i] = q_h . key i (q scaled), each page's keys read once
-// for every KV head. kPairs (bfloat16 pages with bf16_products): a key's D elements are used as they
-// lie in the page, D / 2 pairs of bfloat16, against queries rounded once into the same pairs, and one
-// vdpbf16ps adds 32 products into 16 float32 partial sums: no widening of the keys, half the
-// instructions a key. Otherwise keys are widened to float32 and multiplied by float32 queries.
+// for every KV head. kPairs (bfloat16 or float8 pages with bf16_products): a key's D elements are used as
+// they lie in the page (float8: widened to bfloat16 bits, PagePairs), D / 2 pairs of bfloat16, against
+// queries rounded once into the same pairs, and one vdpbf16ps adds 32 products into 16 float32 partial
+// sums: half the instructions a key, and none to widen a bfloat16 key. Otherwise keys are widened to
+// float32 and multiplied by float32 queries.
 template <typename Page, int DV, int G, bool kPairs>
 void GroupedScores(const Problem<Page>& p, const RowKeys<Page>& keys, const float* q_rows, int64_t padded,
                    Scratch& scratch) {
@@ -310,7 +350,7 @@ void GroupedScores(const Problem<Page>& p, const RowKeys<Page>& keys, const floa
     scratch.query_pairs.resize(kv_heads * G * D / 2);
     query_pairs = scratch.query_pairs.data();
     for (int64_t e = 0; e < kv_heads * G * D / 2; ++e) {
-      query_pairs[e] = Pair(q_rows[2 * e] * p.scale, q_rows[2 * e + 1] * p.scale);
+      query_pairs[e] = Pair(q_rows[2 * e] * p.scale * kPairIn<Page>, q_rows[2 * e + 1] * p.scale * kPairIn<Page>);
     }
   }
   keys.ForEachPage(p.k, [&](int64_t first, const Page* rows, int64_t n, const Page* next) {
@@ -332,10 +372,10 @@ void GroupedScores(const Problem<Page>& p, const RowKeys<Page>& keys, const floa
       const Page* key = rows + kv_head * D;
       for (int64_t i = first; i < first + n; ++i, key += stride) {
         prefetch.Step();
-        const int64_t lane = i % kLanes;
+        const int64_t lane = i & (kLanes - 1);  // i >= 0: a mask, not a signed remainder
         if constexpr (kPairs) {
           PairVec k[kPairVectors];
-          for (int v = 0; v < kPairVectors; ++v) k[v] = LoadPairs(reinterpret_cast<const uint32_t*>(key) + v * kLanes);
+          for (int v = 0; v < kPairVectors; ++v) k[v] = PagePairs(key, v);
           for (int j = 0; j < G; ++j) {
             Vec part = DotPairs(Vec{}, q_pairs[j][0], k[0]);
             for (int v = 1; v < kPairVectors; ++v) part = DotPairs(part, q_pairs[j][v], k[v]);
@@ -355,6 +395,7 @@ void GroupedScores(const Problem<Page>& p, const RowKeys<Page>& keys, const floa
             Vec* head_parts = parts + j * kLanes;
             for (int64_t l = lane + 1; l < kLanes; ++l) head_parts[l] = Vec{};
             FoldLanes<kLanes>(head_parts);
+            if constexpr (kPairs) head_parts[0] *= kPairOut<Page>;
             Store(head_scores + j * padded + i - lane, head_parts[0]);
           }
         }
@@ -380,6 +421,39 @@ inline void InterleavePairs(const Bf16* a, const Bf16* b, PairVec& low, PairVec&
 #endif
 }
 
+// The same for two keys' rows of float8 e4m3, widened as Fp8Words widens them.
+inline void InterleavePairs(const Fp8* a, const Fp8* b, PairVec& low, PairVec& high) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  const __m512i x = (__m512i)Fp8Words(a), y = (__m512i)Fp8Words(b);
+  low = (PairVec)_mm512_unpacklo_epi16(x, y);
+  high = (PairVec)_mm512_unpackhi_epi16(x, y);
+#else
+  const auto *x = reinterpret_cast<const uint8_t*>(a), *y = reinterpret_cast<const uint8_t*>(b);
+  for (int l = 0; l < kLanes; ++l) {
+    const int d = 8 * (l / 4) + l % 4;
+    low[l] = Fp8Bf16Bits(x[d]) | static_cast<uint32_t>(Fp8Bf16Bits(y[d])) << 16;
+    high[l] = Fp8Bf16Bits(x[d + 4]) | static_cast<uint32_t>(Fp8Bf16Bits(y[d + 4])) << 16;
+  }
+#endif
+}
+
+// Softmax weights w [n] (n even) times `in` (kPairIn) as n / 2 pairs of consecutive keys, rounded to bfloat16 as
+// Pair rounds them: 32 at a time by vcvtne2ps2bf16, which flushes float32 subnormals to zero (what vdpbf16ps
+// reads a bfloat16 subnormal as), instead of two scalar roundings for every head and pair of keys in the
+// values pass.
+inline void WeightPairs(const float* w, int64_t n, float in, uint32_t* pairs) {
+  int64_t i = 0;
+#ifdef __AVX512BF16__
+  if constexpr (kLanes == 16) {
+    for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+      const Vec first = Load(w + i) * in, second = Load(w + i + kLanes) * in;
+      StorePairs(pairs + i / 2, (PairVec)_mm512_cvtne2ps_pbh((__m512)second, (__m512)first));
+    }
+  }
+#endif
+  for (; i < n; i += 2) pairs[i / 2] = Pair(w[i] * in, w[i + 1] * in);
+}
+
 // The d of element e of a pair-summed accumulator row (GroupedValues): vector e / kLanes is the low
 // (even) or high (odd) half of 32 elements' InterleavePairs.
 inline int64_t PairLaneDim(int64_t e) {
@@ -389,7 +463,7 @@ inline int64_t PairLaneDim(int64_t e) {
 
 // The values pass of AttendGrouped: acc[h] += weights[h, i] * value i over the row's keys (the softmax's
 // numerators in scores), page by page, each page's values read once for every KV head. kPairs
-// (bfloat16 pages with bf16_products): two keys at a time, their values interleaved into pairs d by d
+// (bfloat16 or float8 pages with bf16_products): two keys at a time, their values interleaved into pairs d by d
 // and each head's two weights rounded to a bfloat16 pair, one vdpbf16ps adding 32 products; the
 // accumulators then hold d in InterleavePairs' order (PairLaneDim), undone once by the caller. A page's
 // odd last key pairs with itself at weight 0.
@@ -404,7 +478,7 @@ void GroupedValues(const Problem<Page>& p, const RowKeys<Page>& keys, int64_t pa
   const float* scores = scratch.scores.data();
   float* acc_rows = scratch.acc.data();
   keys.ForEachPage(p.v, [&](int64_t first, const Page* rows, int64_t n, const Page* next) {
-    SpreadPrefetch prefetch(next, page_bytes, kv_heads * n);
+    SpreadPrefetch prefetch(next, page_bytes, kv_heads * (kPairs ? (n + 1) / 2 : n));  // a step a key, or a pair
     for (int64_t kv_head = 0; kv_head < kv_heads; ++kv_head) {
       float* acc_group = acc_rows + kv_head * G * D;
       const float* head_weights = scores + kv_head * G * padded;
@@ -414,7 +488,6 @@ void GroupedValues(const Problem<Page>& p, const RowKeys<Page>& keys, int64_t pa
       const Page* value = rows + kv_head * D;
       if constexpr (kPairs) {
         for (int64_t i = first; i < first + n; i += 2, value += 2 * stride) {
-          prefetch.Step();
           prefetch.Step();
           const bool two = i + 1 < first + n;
           PairVec val[DV];
@@ -556,7 +629,7 @@ template <typename Page, int DV, int G>
 void AttendGrouped(const Problem<Page>& p, const RowKeys<Page>& keys, float* out_rows, const float* q_rows,
                    Scratch& scratch) {
 #if JAXSERVE_AMX
-  if constexpr (kPairScores<Page>) {
+  if constexpr (kBf16Products && std::is_same_v<Page, Bf16>) {
     if (p.bf16_products && RowTilesFit(p) && JaxserveAmxInUse()) {
       AttendRowTiles<DV, G>(p, keys, out_rows, q_rows, scratch);
       return;
@@ -568,9 +641,9 @@ void AttendGrouped(const Problem<Page>& p, const RowKeys<Page>& keys, float* out
   const int64_t count = keys.kv_len - keys.start, padded = (count + kLanes - 1) / kLanes * kLanes;
   auto& scores = scratch.scores;  // [KVH * G, padded]
   scores.resize(kv_heads * G * padded);
-  const bool pairs = kPairScores<Page> && p.bf16_products;
+  const bool pairs = kPairPages<Page> && p.bf16_products;
   if (pairs) {
-    GroupedScores<Page, DV, G, kPairScores<Page>>(p, keys, q_rows, padded, scratch);
+    GroupedScores<Page, DV, G, kPairPages<Page>>(p, keys, q_rows, padded, scratch);
   } else {
     GroupedScores<Page, DV, G, false>(p, keys, q_rows, padded, scratch);
   }
@@ -605,12 +678,25 @@ void AttendGrouped(const Problem<Page>& p, const RowKeys<Page>& keys, float* out
   }
   auto& acc_rows = scratch.acc;  // [KVH * G, D], summed page by page
   acc_rows.assign(kv_heads * G * D, 0.0f);
-  const auto pair_of = [&scores, padded](int64_t head, int64_t i, bool two) {
+  // Where every page's keys start at an even index (the row's first key at one, pages of an even size), the
+  // values pass pairs keys 2m and 2m + 1 only, so the weights are paired once, a row of heads at a time (a
+  // page's odd last key is the row's last, paired with the padding's weight 0); else pair by pair.
+  const bool paired_once = pairs && keys.start % 2 == 0 && p.page_size % 2 == 0;
+  uint32_t* weight_pairs = nullptr;
+  if (paired_once) {
+    scratch.weight_pairs.resize(kv_heads * G * padded / 2);
+    weight_pairs = scratch.weight_pairs.data();
+    for (int64_t h = 0; h < kv_heads * G; ++h) {
+      WeightPairs(scores.data() + h * padded, padded, kPairIn<Page>, weight_pairs + h * padded / 2);
+    }
+  }
+  const auto pair_of = [&scores, padded, weight_pairs](int64_t head, int64_t i, bool two) {
+    if (weight_pairs != nullptr) return weight_pairs[head * (padded / 2) + (i >> 1)];  // i even, >= 0
     const float* w = scores.data() + head * padded + i;
-    return Pair(w[0], two ? w[1] : 0.0f);
+    return Pair(w[0] * kPairIn<Page>, two ? w[1] * kPairIn<Page> : 0.0f);
   };
   if (pairs) {
-    GroupedValues<Page, DV, G, kPairScores<Page>>(p, keys, padded, scratch, pair_of);
+    GroupedValues<Page, DV, G, kPairPages<Page>>(p, keys, padded, scratch, pair_of);
   } else {
     GroupedValues<Page, DV, G, false>(p, keys, padded, scratch, pair_of);
   }
@@ -618,7 +704,7 @@ void AttendGrouped(const Problem<Page>& p, const RowKeys<Page>& keys, float* out
     const float* acc = acc_rows.data() + h * D;
     float* out = out_rows + h * D;
     if (pairs) {
-      for (int64_t e = 0; e < D; ++e) out[PairLaneDim(e)] = acc[e] * inv_sums[h];
+      for (int64_t e = 0; e < D; ++e) out[PairLaneDim(e)] = acc[e] * (inv_sums[h] * kPairOut<Page>);
     } else {
       for (int v = 0; v < DV; ++v) Store(out + v * kLanes, Load(acc + v * kLanes) * inv_sums[h]);
     }
