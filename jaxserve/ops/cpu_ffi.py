@@ -383,8 +383,10 @@ def paged_row_attention(q, k_pages, v_pages, layer, kv_lens, row_seqs, block_tab
     read and widened to float32 in the kernel: a half or a quarter of the bytes).
 
     bf16_products: the prompt tiles' two products take operands rounded to bfloat16 (float32 sums), and
-    over bfloat16 pages a decode row's scores take its query rounded to bfloat16, where the kernels are
-    built for AVX512-BF16 (`bf16_dot_instructions`); ignored elsewhere.
+    over bfloat16 or float8 pages a decode row multiplies the pages' keys and values as they lie (float8
+    widened to bfloat16 in the register, its subnormals read as zero) by its query and softmax weights
+    rounded to bfloat16, where the kernels are built for AVX512-BF16 (`bf16_dot_instructions`); ignored
+    elsewhere.
 
     out_dtype bfloat16 (over bfloat16 or float8 pages): the result rounded to nearest even in the kernel, each
     part by the thread that computed it (float32 subnormals to zero where the CPU has AVX512-BF16), for a

@@ -17,9 +17,10 @@
 // scale 1.0), widened to float32 as they are read. With `bf16_products` set, on a CPU with AVX512-BF16, a
 // tile's two products take bfloat16 operands (queries, keys, the softmax weights and values rounded
 // to nearest, float32 sums; see TileBf16): one vdpbf16ps adds two products to 16 float32 sums,
-// twice float32's multiply rate; and a row attended on its own over bfloat16 pages scores its keys as
-// they lie in the page against its query rounded to bfloat16 (GroupedScores), its weighted sum of the
-// values staying float32. Elsewhere the flag is ignored (float32 is then the fast path). A row with
+// twice float32's multiply rate; and a row attended on its own over bfloat16 or float8 pages multiplies
+// its keys and values as they lie in the page (float8 widened to bfloat16 bits in the register, its
+// subnormals read as zero) by its query and its softmax weights rounded to bfloat16 (GroupedScores,
+// GroupedValues), float32 sums. Elsewhere the flag is ignored (float32 is then the fast path). A row with
 // kv_len 0 (padding) gets zeros.
 
 #include <algorithm>
