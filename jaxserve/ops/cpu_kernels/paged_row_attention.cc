@@ -462,6 +462,25 @@ inline int64_t PairLaneDim(int64_t e) {
   return 32 * (v / 2) + 8 * (l / 4) + l % 4 + 4 * (v % 2);
 }
 
+// out [D] = acc [D] (a pair-summed row, PairLaneDim's order) times `scale`, in d's order. With 16 lanes each 32
+// elements are two shuffles of their two vectors (the low and high four d of each 128-bit lane interleaved).
+// An element at a time, with its index arithmetic, 32 rows at context 160 took 0.067-0.072 ms a layer against
+// 0.062-0.065 (bfloat16 pages, a 2-core Zen 5).
+template <int DV>
+inline void StoreInDimOrder(const float* acc, float scale, float* out) {
+  if constexpr (kLanes == 16) {
+    for (int c = 0; c < DV / 2; ++c) {
+      const Vec low = Load(acc + 2 * c * kLanes) * scale, high = Load(acc + (2 * c + 1) * kLanes) * scale;
+      Store(out + 2 * c * kLanes,
+            __builtin_shufflevector(low, high, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23));
+      Store(out + (2 * c + 1) * kLanes,
+            __builtin_shufflevector(low, high, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31));
+    }
+  } else {
+    for (int64_t e = 0; e < DV * kLanes; ++e) out[PairLaneDim(e)] = acc[e] * scale;
+  }
+}
+
 // The values pass of AttendGrouped: acc[h] += weights[h, i] * value i over the row's keys (the softmax's
 // numerators in scores), page by page, each page's values read once for every KV head. kPairs
 // (bfloat16 or float8 pages with bf16_products): two keys at a time, their values interleaved into pairs d by d
@@ -705,7 +724,7 @@ void AttendGrouped(const Problem<Page>& p, const RowKeys<Page>& keys, float* out
     const float* acc = acc_rows.data() + h * D;
     float* out = out_rows + h * D;
     if (pairs) {
-      for (int64_t e = 0; e < D; ++e) out[PairLaneDim(e)] = acc[e] * (inv_sums[h] * kPairOut<Page>);
+      StoreInDimOrder<DV>(acc, inv_sums[h] * kPairOut<Page>, out);
     } else {
       for (int v = 0; v < DV; ++v) Store(out + v * kLanes, Load(acc + v * kLanes) * inv_sums[h]);
     }
