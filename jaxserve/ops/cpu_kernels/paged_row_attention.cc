@@ -468,17 +468,17 @@ inline int64_t PairLaneDim(int64_t e) {
 // 0.062-0.065 (bfloat16 pages, a 2-core Zen 5).
 template <int DV>
 inline void StoreInDimOrder(const float* acc, float scale, float* out) {
-  if constexpr (kLanes == 16) {
-    for (int c = 0; c < DV / 2; ++c) {
-      const Vec low = Load(acc + 2 * c * kLanes) * scale, high = Load(acc + (2 * c + 1) * kLanes) * scale;
-      Store(out + 2 * c * kLanes,
-            __builtin_shufflevector(low, high, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23));
-      Store(out + (2 * c + 1) * kLanes,
-            __builtin_shufflevector(low, high, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31));
-    }
-  } else {
-    for (int64_t e = 0; e < DV * kLanes; ++e) out[PairLaneDim(e)] = acc[e] * scale;
+#if defined(__AVX512F__)  // kLanes 16 (a preprocessor test: the shuffles' indices do not exist for 8 lanes)
+  for (int c = 0; c < DV / 2; ++c) {
+    const Vec low = Load(acc + 2 * c * kLanes) * scale, high = Load(acc + (2 * c + 1) * kLanes) * scale;
+    Store(out + 2 * c * kLanes,
+          __builtin_shufflevector(low, high, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23));
+    Store(out + (2 * c + 1) * kLanes,
+          __builtin_shufflevector(low, high, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31));
   }
+#else
+  for (int64_t e = 0; e < DV * kLanes; ++e) out[PairLaneDim(e)] = acc[e] * scale;
+#endif
 }
 
 // The values pass of AttendGrouped: acc[h] += weights[h, i] * value i over the row's keys (the softmax's
