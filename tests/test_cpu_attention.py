@@ -444,5 +444,11 @@ def test_the_attention_microbenchmark_builds_causal_cases_and_times_each(tmp_pat
     assert saved["page_dtype"] == "bfloat16"
     assert [r["case"] for r in saved["results"]] == ["prompt:8:16", "decode:2:20"]
     assert all(r["ms"] > 0 and r["gflops"] > 0 for r in saved["results"])
+    _, k, _, _, _, _, _ = build("decode", 2, 20, jnp.bfloat16, rng, layers=3)
+    assert k.shape[0] == 3
+    main(["--cases", "decode:2:20", "--layers", "3", "--repeats", "1", "--out", str(out)])
+    assert json.loads(out.read_text())["layers"] == 3
+    with pytest.raises(SystemExit, match="--layers must be at least 1"):
+        main(["--cases", "decode:2:20", "--layers", "0"])
     with pytest.raises(SystemExit, match="unknown case kind 'chunk'"):
         main(["--cases", "chunk:8:16", "--repeats", "1"])

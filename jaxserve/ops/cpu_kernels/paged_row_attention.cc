@@ -210,6 +210,8 @@ struct Scratch {
   std::vector<Vec> parts;
   std::vector<float> tile_queries, tile_scores, tile_inv_sums, tile_out;  // AttendTile's
   std::vector<const void*> key_rows, value_rows;  // a tile's [D] rows, of Page elements
+  std::vector<const void*> stream_pages;           // a decode row's PageStream
+  int64_t streamed_row = -1;                       // the row whose first pages the last row's stream fetched
   std::vector<uint32_t> query_pairs, key_pairs, key_columns, weight_pairs, value_pairs;  // TileBf16's
   // The tiles of a job share their keys (see AttendTiles): the rows above and their bfloat16 pairs
   // hold the keys from `lo` of one sequence's KV head, the first `*_valid` of them real (past those,
@@ -233,8 +235,15 @@ struct RowKeys {
   const Problem<Page>& p;
   const int32_t* table;
   int64_t start, kv_len;
+  int64_t row = -1;  // the query row, for a decode row's PageStream
 
   int64_t PageOf(int64_t pos) const { return std::clamp<int64_t>(table[pos / p.page_size], 0, p.num_pages - 1); }
+
+  // The pages the keys lie in, and the t-th of them in `pages` (p.k or p.v).
+  int64_t NumPages() const { return kv_len > start ? (kv_len - 1) / p.page_size - start / p.page_size + 1 : 0; }
+  const Page* PageAt(const Page* pages, int64_t t) const {
+    return pages + PageOf((start / p.page_size + t) * p.page_size) * p.page_size * p.token_stride;
+  }
 
   // fn(index from start of the page's first row, that row's [KVH, D] in the page, rows in the page,
   // the next page or nullptr) for each page in turn.
@@ -282,6 +291,39 @@ class SpreadPrefetch {
  private:
   const char* page_;
   int64_t lines_, per_step_, next_ = 0;
+};
+
+// The pages a decode row reads, in the order it reads them (its keys' pages, then its values'), and after
+// them the first pages of the row its thread attends next. While the row reads page t it prefetches page
+// t + kAheadPages of the stream, spread over page t's steps (SpreadPrefetch): so the values' first pages
+// arrive while the last keys are scored, the next row's first keys while the last values are summed, and
+// each page has kAheadPages pages' time to come from memory, not one.
+class PageStream {
+ public:
+  static constexpr int64_t kAheadPages = 2;
+
+  PageStream(std::vector<const void*>& pages, int64_t page_bytes) : pages_(pages), page_bytes_(page_bytes) {
+    pages_.clear();
+  }
+  void Add(const void* page) { pages_.push_back(page); }
+
+  // The first kAheadPages pages at once, for a row whose pages no earlier row's stream fetched.
+  void FetchFirst() const {
+    for (int64_t t = 0; t < std::min<int64_t>(kAheadPages, pages_.size()); ++t) {
+      const char* bytes = static_cast<const char*>(pages_[t]);
+      for (int64_t line = 0; line < page_bytes_; line += kLineBytes) __builtin_prefetch(bytes + line, 0, 1);
+    }
+  }
+
+  // The prefetch for the walk over the next page of the stream, which takes `steps` steps.
+  SpreadPrefetch Next(int64_t steps) {
+    const int64_t ahead = next_++ + kAheadPages;
+    return SpreadPrefetch(ahead < static_cast<int64_t>(pages_.size()) ? pages_[ahead] : nullptr, page_bytes_, steps);
+  }
+
+ private:
+  std::vector<const void*>& pages_;
+  int64_t page_bytes_, next_ = 0;
 };
 
 // One row's attention when head_dim is DV vectors and a KV head serves G query heads, page by page:
@@ -339,10 +381,10 @@ inline PairVec PagePairs(const Fp8* row, int v) { return Fp8Words(row + 2 * kLan
 // float32 and multiplied by float32 queries.
 template <typename Page, int DV, int G, bool kPairs>
 void GroupedScores(const Problem<Page>& p, const RowKeys<Page>& keys, const float* q_rows, int64_t padded,
-                   Scratch& scratch) {
+                   Scratch& scratch, PageStream& stream) {
   constexpr int64_t D = DV * kLanes;
   constexpr int kPairVectors = DV / 2;  // a row's D / 2 pairs, kLanes to a vector
-  const int64_t kv_heads = p.num_heads / G, stride = p.token_stride, page_bytes = p.page_size * stride * sizeof(Page);
+  const int64_t kv_heads = p.num_heads / G, stride = p.token_stride;
   const int64_t count = keys.kv_len - keys.start;
   float* scores = scratch.scores.data();
   scratch.parts.resize(kv_heads * G * kLanes);  // a KV head's lanes may straddle pages
@@ -354,8 +396,8 @@ void GroupedScores(const Problem<Page>& p, const RowKeys<Page>& keys, const floa
       query_pairs[e] = Pair(q_rows[2 * e] * p.scale * kPairIn<Page>, q_rows[2 * e + 1] * p.scale * kPairIn<Page>);
     }
   }
-  keys.ForEachPage(p.k, [&](int64_t first, const Page* rows, int64_t n, const Page* next) {
-    SpreadPrefetch prefetch(next, page_bytes, kv_heads * n);
+  keys.ForEachPage(p.k, [&](int64_t first, const Page* rows, int64_t n, const Page*) {
+    SpreadPrefetch prefetch = stream.Next(kv_heads * n);
     for (int64_t kv_head = 0; kv_head < kv_heads; ++kv_head) {
       Vec q[G][kPairs ? 1 : DV];
       [[maybe_unused]] PairVec q_pairs[G][kPairs ? kPairVectors : 1];
@@ -492,13 +534,13 @@ inline void StoreInDimOrder(const float* acc, float scale, float* out) {
 // keys i and i + 1, the second weighted 0 where `two` is false; see AttendGrouped and AttendRowTiles).
 template <typename Page, int DV, int G, bool kPairs, typename PairOf>
 void GroupedValues(const Problem<Page>& p, const RowKeys<Page>& keys, int64_t padded, Scratch& scratch,
-                   PairOf&& pair_of) {
+                   PageStream& stream, PairOf&& pair_of) {
   constexpr int64_t D = DV * kLanes;
-  const int64_t kv_heads = p.num_heads / G, stride = p.token_stride, page_bytes = p.page_size * stride * sizeof(Page);
+  const int64_t kv_heads = p.num_heads / G, stride = p.token_stride;
   const float* scores = scratch.scores.data();
   float* acc_rows = scratch.acc.data();
-  keys.ForEachPage(p.v, [&](int64_t first, const Page* rows, int64_t n, const Page* next) {
-    SpreadPrefetch prefetch(next, page_bytes, kv_heads * (kPairs ? (n + 1) / 2 : n));  // a step a key, or a pair
+  keys.ForEachPage(p.v, [&](int64_t first, const Page* rows, int64_t n, const Page*) {
+    SpreadPrefetch prefetch = stream.Next(kv_heads * (kPairs ? (n + 1) / 2 : n));  // a step a key, or a pair
     for (int64_t kv_head = 0; kv_head < kv_heads; ++kv_head) {
       float* acc_group = acc_rows + kv_head * G * D;
       const float* head_weights = scores + kv_head * G * padded;
@@ -634,7 +676,9 @@ void AttendRowTiles(const Problem<Bf16>& p, const RowKeys<Bf16>& keys, float* ou
   scratch.acc.assign(heads * D, 0.0f);
   const RowKeys<Bf16> value_keys{p, keys.table, base + 2 * first_pair, keys.kv_len};
   const uint32_t* weight_pairs = pairs.data() + first_pair * kRowChunk;
-  GroupedValues<Bf16, DV, G, true>(p, value_keys, 0, scratch, [weight_pairs](int64_t head, int64_t i, bool) {
+  PageStream stream(scratch.stream_pages, p.page_size * p.token_stride * sizeof(Bf16));
+  for (int64_t t = 0; t < value_keys.NumPages(); ++t) stream.Add(value_keys.PageAt(p.v, t));
+  GroupedValues<Bf16, DV, G, true>(p, value_keys, 0, scratch, stream, [weight_pairs](int64_t head, int64_t i, bool) {
     return weight_pairs[i / 2 * kRowChunk + head];
   });
   for (int64_t h = 0; h < heads; ++h) {
@@ -646,8 +690,8 @@ void AttendRowTiles(const Problem<Bf16>& p, const RowKeys<Bf16>& keys, float* ou
 #endif
 
 template <typename Page, int DV, int G>
-void AttendGrouped(const Problem<Page>& p, const RowKeys<Page>& keys, float* out_rows, const float* q_rows,
-                   Scratch& scratch) {
+void AttendGrouped(const Problem<Page>& p, const RowKeys<Page>& keys, const RowKeys<Page>* next, float* out_rows,
+                   const float* q_rows, Scratch& scratch) {
 #if JAXSERVE_AMX
   if constexpr (kBf16Products && std::is_same_v<Page, Bf16>) {
     if (p.bf16_products && RowTilesFit(p) && JaxserveAmxInUse()) {
@@ -662,10 +706,19 @@ void AttendGrouped(const Problem<Page>& p, const RowKeys<Page>& keys, float* out
   auto& scores = scratch.scores;  // [KVH * G, padded]
   scores.resize(kv_heads * G * padded);
   const bool pairs = kPairPages<Page> && p.bf16_products;
+  PageStream stream(scratch.stream_pages, p.page_size * p.token_stride * sizeof(Page));
+  const int64_t num_pages = keys.NumPages();
+  for (int64_t t = 0; t < num_pages; ++t) stream.Add(keys.PageAt(p.k, t));
+  for (int64_t t = 0; t < num_pages; ++t) stream.Add(keys.PageAt(p.v, t));
+  if (next != nullptr) {
+    for (int64_t t = 0; t < std::min(PageStream::kAheadPages, next->NumPages()); ++t) stream.Add(next->PageAt(p.k, t));
+  }
+  if (scratch.streamed_row != keys.row) stream.FetchFirst();
+  scratch.streamed_row = next != nullptr ? next->row : -1;
   if (pairs) {
-    GroupedScores<Page, DV, G, kPairPages<Page>>(p, keys, q_rows, padded, scratch);
+    GroupedScores<Page, DV, G, kPairPages<Page>>(p, keys, q_rows, padded, scratch, stream);
   } else {
-    GroupedScores<Page, DV, G, false>(p, keys, q_rows, padded, scratch);
+    GroupedScores<Page, DV, G, false>(p, keys, q_rows, padded, scratch, stream);
   }
   auto& inv_sums = scratch.row_sum;  // [KVH * G]
   inv_sums.resize(kv_heads * G);
@@ -716,9 +769,9 @@ void AttendGrouped(const Problem<Page>& p, const RowKeys<Page>& keys, float* out
     return Pair(w[0] * kPairIn<Page>, two ? w[1] * kPairIn<Page> : 0.0f);
   };
   if (pairs) {
-    GroupedValues<Page, DV, G, kPairPages<Page>>(p, keys, padded, scratch, pair_of);
+    GroupedValues<Page, DV, G, kPairPages<Page>>(p, keys, padded, scratch, stream, pair_of);
   } else {
-    GroupedValues<Page, DV, G, false>(p, keys, padded, scratch, pair_of);
+    GroupedValues<Page, DV, G, false>(p, keys, padded, scratch, stream, pair_of);
   }
   for (int64_t h = 0; h < kv_heads * G; ++h) {
     const float* acc = acc_rows.data() + h * D;
@@ -732,7 +785,8 @@ void AttendGrouped(const Problem<Page>& p, const RowKeys<Page>& keys, float* out
 }
 
 template <typename Page>
-using GroupedFn = void (*)(const Problem<Page>&, const RowKeys<Page>&, float*, const float*, Scratch&);
+using GroupedFn = void (*)(const Problem<Page>&, const RowKeys<Page>&, const RowKeys<Page>*, float*, const float*,
+                           Scratch&);
 
 template <typename Page, int DV, int... G>
 constexpr std::array<GroupedFn<Page>, 9> GroupedFns(std::integer_sequence<int, G...>) {
@@ -761,22 +815,30 @@ GroupedFn<Page> GroupedFor(int64_t head_dim, int64_t group) {
 // Attention of query row `row`: a pass over its keys for the scores, the softmax, and a pass over
 // its values. Each page is one contiguous [page_size, KVH, D] array, read in place. Common shapes
 // go to AttendGrouped; the rest are computed here, all heads at once per key.
+// The keys query row `row` attends to (none: kv_len <= start).
 template <typename Page>
-void AttendOne(const Problem<Page>& p, int64_t row, Scratch& scratch) {
-  const int64_t num_heads = p.num_heads, head_dim = p.head_dim, page_size = p.page_size;
+RowKeys<Page> KeysOf(const Problem<Page>& p, int64_t row) {
+  const int64_t kv_len = std::min<int64_t>(p.kv_lens[row], p.table_width * p.page_size);
+  const int64_t start = p.window > 0 ? std::max<int64_t>(kv_len - p.window, 0) : 0;
+  const int32_t* table = p.tables + std::clamp<int64_t>(p.row_seqs[row], 0, p.num_table_rows - 1) * p.table_width;
+  return {p, table, start, std::max(kv_len, start), row};
+}
+
+// next_row: the decode row this thread attends next (-1: none, or a tile), whose first pages this one prefetches.
+template <typename Page>
+void AttendOne(const Problem<Page>& p, int64_t row, int64_t next_row, Scratch& scratch) {
+  const int64_t num_heads = p.num_heads, head_dim = p.head_dim;
   const float* q_rows = p.q + row * num_heads * head_dim;
   float* out_rows = p.out + row * num_heads * head_dim;
-  const int64_t kv_len = std::min<int64_t>(p.kv_lens[row], p.table_width * page_size);
-  const int64_t start = p.window > 0 ? std::max<int64_t>(kv_len - p.window, 0) : 0;
-  const int64_t count = std::max<int64_t>(kv_len - start, 0);
+  const RowKeys<Page> keys = KeysOf(p, row);
+  const int64_t count = keys.kv_len - keys.start;
   if (count == 0) {  // a padding row: zeros, without scratch or tile set-up
     std::fill(out_rows, out_rows + num_heads * head_dim, 0.0f);
     return;
   }
-  const int32_t* table = p.tables + std::clamp<int64_t>(p.row_seqs[row], 0, p.num_table_rows - 1) * p.table_width;
-  const RowKeys<Page> keys{p, table, start, start + count};
   if (const GroupedFn<Page> grouped = GroupedFor<Page>(head_dim, p.group)) {
-    grouped(p, keys, out_rows, q_rows, scratch);
+    const RowKeys<Page> next = next_row >= 0 ? KeysOf(p, next_row) : keys;
+    grouped(p, keys, next_row >= 0 && next.kv_len > next.start ? &next : nullptr, out_rows, q_rows, scratch);
     return;
   }
   auto& scores = scratch.scores;
@@ -1581,10 +1643,10 @@ ffi::Error PagedRowAttention(ffi::ThreadPool pool,
   const TileFn<Page> tile = TileFor<Page>(head_dim, problem.group);
   auto jobs = std::make_shared<const std::vector<TileJob>>(Jobs(problem, num_rows, tile != nullptr, pool.num_threads()));
   jaxserve::ParallelFor(pool, jobs->size(), [problem, tile, jobs, result] {
-    return [problem, tile, jobs, result, scratch = Scratch()](int64_t i) mutable {
+    return [problem, tile, jobs, result, scratch = Scratch()](int64_t i, int64_t next) mutable {
       const TileJob& job = (*jobs)[i];
       if (job.kv_head < 0) {
-        AttendOne(problem, job.first_row, scratch);
+        AttendOne(problem, job.first_row, next >= 0 && (*jobs)[next].kv_head < 0 ? (*jobs)[next].first_row : -1, scratch);
       } else {
         tile(problem, job, scratch);
       }
