@@ -73,6 +73,17 @@ def step_calls(trace_file: Path, num_layers: int) -> tuple[list[float], dict[str
     return spans, calls
 
 
+def decode_budget(max_model_len: int, input_len: int, warm_steps: int, steps: int) -> int:
+    """max_tokens of the traced requests: as many as the model length leaves, since the prompts are admitted a
+    chunk at a time and the first ones decode while the last are prefilled (32 prompts of 1,024 tokens: about
+    64 steps before the last one is in), so that none finishes before the traced steps end."""
+    budget = max_model_len - input_len
+    if budget < warm_steps + steps + 1:
+        raise SystemExit(f"max_model_len {max_model_len} leaves {budget} tokens after a prompt of {input_len}: "
+                         f"fewer than --warm-steps {warm_steps} + --steps {steps} + 1")
+    return budget
+
+
 def main(argv: list[str] | None = None) -> dict:
     from jaxserve.config.engine_config import add_engine_flags, engine_config_from_args
 
@@ -97,14 +108,18 @@ def main(argv: list[str] | None = None) -> dict:
     engine, model = llm.engine, llm.engine.model_cfg
     rng = np.random.default_rng(args.seed or 0)
     llm.generate([{"prompt_token_ids": [100] * 8}], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
-    params = SamplingParams(temperature=0.0, max_tokens=args.warm_steps + args.steps + 16, ignore_eos=True)
+    max_tokens = decode_budget(engine.cfg.max_model_len, args.input_len, args.warm_steps, args.steps)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     requests = [engine.add_request(rng.integers(100, model.vocab_size - 100, args.input_len).tolist(), params)
                 for _ in range(args.num_prompts)]
     while any(r.num_computed_tokens < args.input_len for r in requests):
         engine.step()
     for _ in range(args.warm_steps):
         engine.step()
-    if any(r.status.is_finished for r in requests) or len(engine.last_schedule.scheduled) != args.num_prompts:
+    if any(r.status.is_finished for r in requests):
+        raise SystemExit(f"a request reached max_model_len before the traced steps (prompts of {args.input_len} "
+                         f"tokens, {max_tokens} tokens after them: lower --input-len or --warm-steps)")
+    if len(engine.last_schedule.scheduled) != args.num_prompts:
         raise SystemExit("the engine did not hold every prompt in its decode steps (raise --max-num-seqs or the "
                          "KV cache, or lower --num-prompts)")
     context = statistics.mean(r.num_tokens for r in requests) + args.steps / 2  # the traced steps' middle

@@ -237,6 +237,12 @@ def test_the_decode_step_anatomy_names_each_custom_call_by_its_place_in_the_laye
     assert calls[module.NORM] == [6.0, 3.0, 4.0, 3.0] and calls["gate_up"] == [20.0, 20.0]
     assert calls["lm_head"] == [300.0] and calls["argmax"] == [2.0]
 
+    # the traced requests may decode up to the model length: long prompts come in a chunk at a time, and the
+    # first ones decode while the last are prefilled
+    assert module.decode_budget(2048, 1024, 2, 20) == 1024
+    with pytest.raises(SystemExit, match="leaves 16 tokens after a prompt of 2032"):
+        module.decode_budget(2048, 2032, 2, 20)
+
 
 # -- metrics -------------------------------------------------------------------------------------
 
