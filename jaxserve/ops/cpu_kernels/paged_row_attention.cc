@@ -328,7 +328,7 @@ class PageStream {
 
 // One row's attention when head_dim is DV vectors and a KV head serves G query heads, page by page:
 // each page's rows are read once from memory and used for one KV head after another while they are
-// in the cache (the next page arriving meanwhile, see SpreadPrefetch). A KV head's G queries stay in
+// in the cache (the pages two further on arriving meanwhile, see PageStream). A KV head's G queries stay in
 // registers while its keys in the page are scored, its G accumulators while its values are summed;
 // dot products are folded kLanes at a time (see FoldLanes).
 // Whether AttendGrouped multiplies a page's keys and values as bfloat16 pairs with vdpbf16ps (see
