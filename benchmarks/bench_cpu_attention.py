@@ -15,8 +15,8 @@ without it the products are float32, as under `--dtype float32`. GFLOP/s counts 
 the same CPU (benchmarks/bench_cpu_matmul.py). `--layers N` gives the pages N layers and times one call a
 layer, one after another in one jitted function, reporting the time a layer: past the CPU's last-level cache
 (30 layers of 32 rows at context 160 hold 117 MB of bfloat16 pages) each layer's pages come from memory, as in
-the engine's step, where one layer alone, called again and again, finds them in the cache. Prints the CPU's flags; comparisons mean something within one
-run only.
+the engine's step, where one layer alone, called again and again, finds them in the cache. Prints the CPU's
+flags; comparisons mean something within one run only.
 """
 
 from __future__ import annotations

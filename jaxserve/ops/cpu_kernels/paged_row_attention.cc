@@ -815,9 +815,6 @@ GroupedFn<Page> GroupedFor(int64_t head_dim, int64_t group) {
   }
 }
 
-// Attention of query row `row`: a pass over its keys for the scores, the softmax, and a pass over
-// its values. Each page is one contiguous [page_size, KVH, D] array, read in place. Common shapes
-// go to AttendGrouped; the rest are computed here, all heads at once per key.
 // The keys query row `row` attends to (none: kv_len <= start).
 template <typename Page>
 RowKeys<Page> KeysOf(const Problem<Page>& p, int64_t row) {
@@ -827,7 +824,10 @@ RowKeys<Page> KeysOf(const Problem<Page>& p, int64_t row) {
   return {p, table, start, std::max(kv_len, start), row};
 }
 
-// next_row: the decode row this thread attends next (-1: none, or a tile), whose first pages this one prefetches.
+// Attention of query row `row`: a pass over its keys for the scores, the softmax, and a pass over
+// its values. Each page is one contiguous [page_size, KVH, D] array, read in place. Common shapes
+// go to AttendGrouped; the rest are computed here, all heads at once per key. next_row: the decode row
+// this thread attends next (-1: none, or a tile), whose first pages AttendGrouped prefetches.
 template <typename Page>
 void AttendOne(const Problem<Page>& p, int64_t row, int64_t next_row, Scratch& scratch) {
   const int64_t num_heads = p.num_heads, head_dim = p.head_dim;
@@ -1649,7 +1649,8 @@ ffi::Error PagedRowAttention(ffi::ThreadPool pool,
     return [problem, tile, jobs, result, scratch = Scratch()](int64_t i, int64_t next) mutable {
       const TileJob& job = (*jobs)[i];
       if (job.kv_head < 0) {
-        AttendOne(problem, job.first_row, next >= 0 && (*jobs)[next].kv_head < 0 ? (*jobs)[next].first_row : -1, scratch);
+        const int64_t next_row = next >= 0 && (*jobs)[next].kv_head < 0 ? (*jobs)[next].first_row : -1;
+        AttendOne(problem, job.first_row, next_row, scratch);
       } else {
         tile(problem, job, scratch);
       }
