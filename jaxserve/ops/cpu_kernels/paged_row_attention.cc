@@ -1645,18 +1645,31 @@ ffi::Error PagedRowAttention(ffi::ThreadPool pool,
                         scale, soft_cap, bf16_products != 0};
   const TileFn<Page> tile = TileFor<Page>(head_dim, problem.group);
   auto jobs = std::make_shared<const std::vector<TileJob>>(Jobs(problem, num_rows, tile != nullptr, pool.num_threads()));
-  jaxserve::ParallelFor(pool, jobs->size(), [problem, tile, jobs, result] {
-    return [problem, tile, jobs, result, scratch = Scratch()](int64_t i, int64_t next) mutable {
-      const TileJob& job = (*jobs)[i];
-      if (job.kv_head < 0) {
-        const int64_t next_row = next >= 0 && (*jobs)[next].kv_head < 0 ? (*jobs)[next].first_row : -1;
-        AttendOne(problem, job.first_row, next_row, scratch);
-      } else {
-        tile(problem, job, scratch);
-      }
-      if constexpr (!std::is_same_v<Out, float>) RoundJob(problem, job, result);
-    };
-  });
+  // Job i, whose thread does job `next` after it (-1: none, or not known): a decode row prefetches the next
+  // one's first pages (see PageStream).
+  const auto run = [problem, tile, jobs, result](int64_t i, int64_t next, Scratch& scratch) {
+    const TileJob& job = (*jobs)[i];
+    if (job.kv_head < 0) {
+      const int64_t next_row = next >= 0 && (*jobs)[next].kv_head < 0 ? (*jobs)[next].first_row : -1;
+      AttendOne(problem, job.first_row, next_row, scratch);
+    } else {
+      tile(problem, job, scratch);
+    }
+    if constexpr (!std::is_same_v<Out, float>) RoundJob(problem, job, result);
+  };
+  // A thread learns its next job by claiming it before it starts the current one (ParallelFor's (item, next)
+  // form), which leaves a helper that starts later nothing to do when there are under two jobs a thread: two
+  // decode rows on two threads would run on one. Fewer jobs go one at a time, without the next row's pages.
+  const int64_t count = jobs->size();
+  if (count >= 2 * static_cast<int64_t>(pool.num_threads())) {
+    jaxserve::ParallelFor(pool, count, [run] {
+      return [run, scratch = Scratch()](int64_t i, int64_t next) mutable { run(i, next, scratch); };
+    });
+  } else {
+    jaxserve::ParallelFor(pool, count, [run] {
+      return [run, scratch = Scratch()](int64_t i) mutable { run(i, -1, scratch); };
+    });
+  }
   return ffi::Error::Success();
 }
 
