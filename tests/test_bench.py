@@ -552,7 +552,9 @@ def test_engine_phases_times_whole_batches_when_the_prompts_outlast_the_step_bud
 def test_the_instruction_peak_times_each_multiply_the_cpu_has_and_counts_its_flops(tmp_path):
     """benchmarks/instruction_peak.py: a loop for each multiply-add instruction this CPU has builds and runs;
     its FLOP/s is instructions a second times the instruction's FLOP (vpdpbusd's 128 are four times
-    vfmadd231ps zmm's 32), within what one core can issue, and the JSON holds the same rows."""
+    vfmadd231ps zmm's 32), within what one core can issue, and the JSON holds the same rows. The matmul's
+    tile loop runs for each of its instructions the CPU has, its share the ratio of its rate to that
+    instruction's peak row."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("instruction_peak", REPO_ROOT / "benchmarks" / "instruction_peak.py")
@@ -568,4 +570,30 @@ def test_the_instruction_peak_times_each_multiply_the_cpu_has_and_counts_its_flo
         assert 1e8 < row["instructions_per_s_per_thread"] < 5e10, row
         flop = module.INSTRUCTIONS[row["instruction"]][2]
         assert row["gflops"] == pytest.approx(row["instructions_per_s_per_thread"] * flop / 1e9)
+    peaks = {r["instruction"]: r["instructions_per_s_per_thread"] for r in result["results"]}
+    assert [r["loop"] for r in result["tile_loops"]] == [
+        name for name, (instruction, _) in module.TILE_LOOPS.items() if instruction in peaks]
+    for row in result["tile_loops"]:
+        assert 1e8 < row["instructions_per_s_per_thread"] < 5e10, row
+        assert row["share_of_peak"] == pytest.approx(
+            row["instructions_per_s_per_thread"] / peaks[module.TILE_LOOPS[row["loop"]][0]])
     assert json.loads(out.read_text()) == result
+
+
+def test_the_tile_loops_assembly_is_the_kernels_step_and_its_group_epilogue():
+    """instruction_peak.tile_assembly: a step loads a panel row's three weight vectors and issues 8 rows x 3
+    multiply-adds into the 24 sums, each row after its own broadcast; the epilogue converts, scales, stores
+    and zeroes each of the 24 sums once; the clobbers name every register either touches."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("instruction_peak", REPO_ROOT / "benchmarks" / "instruction_peak.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    step, epilogue, clobbers = module.tile_assembly("vpdpbusd zmm")
+    assert step.count("vmovdqu32") == 3 and step.count("vpbroadcastd") == 8 and step.count("vpdpbusd") == 24
+    assert sorted(int(r) for r in re.findall(r"vpdpbusd %%zmm31, %%zmm\d+, %%zmm(\d+)", step)) == list(range(24))
+    for i in range(24):
+        assert f"vcvtdq2ps %%zmm{i}, " in epilogue and f"vpxord %%zmm{i}, %%zmm{i}, %%zmm{i}" in epilogue
+    assert epilogue.count("vmovaps") == 24
+    assert sorted(int(r) for r in re.findall(r'"xmm(\d+)"', clobbers)) == list(range(24)) + [28, 29, 30, 31]
+    assert "vdpbf16ps %%zmm31, %%zmm28, %%zmm0" in module.tile_assembly("vdpbf16ps zmm")[0]
