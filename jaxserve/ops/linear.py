@@ -4,9 +4,6 @@ and never asks which."""
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-
 from jaxserve.ops import packed_matmul, quantized
 from jaxserve.ops.packed_matmul import PackedWeight
 from jaxserve.ops.quantized import QuantizedWeight
@@ -28,9 +25,4 @@ def silu_gated_matmul(x, w, rows=None, add=None, out_dtype=None):
     added to x @ w before the activation. out_dtype: the result's dtype, or None: as computed."""
     if isinstance(w, PackedWeight):
         return packed_matmul.silu_gated_matmul(x, w, rows, add, out_dtype)
-    gate_up = matmul(x, w, rows)
-    if add is not None:
-        gate_up = gate_up + add.astype(gate_up.dtype)
-    gate, up = jnp.split(gate_up, 2, axis=-1)
-    out = jax.nn.silu(gate) * up
-    return out if out_dtype is None else out.astype(out_dtype)
+    return packed_matmul.gated_activation(matmul(x, w, rows), add, out_dtype)

@@ -254,9 +254,15 @@ def silu_gated_matmul(x, w, rows=None, add=None, out_dtype=None):
         elif w.scale is None:
             out = _packed_call("jaxserve_packed_gated_matmul_add", x, w, w.n // 2, rows, add.astype(jnp.float32))
     if out is None:
-        gate_up = matmul(x, w, rows)
-        if add is not None:
-            gate_up = gate_up + add.astype(gate_up.dtype)
-        gate, up = jnp.split(gate_up, 2, axis=-1)
-        out = jax.nn.silu(gate) * up
+        return gated_activation(matmul(x, w, rows), add, out_dtype)
+    return out if out_dtype is None else out.astype(out_dtype)
+
+
+def gated_activation(gate_up, add=None, out_dtype=None):
+    """silu(gate) * up for gate_up = x @ [w_gate | w_up] [M, 2 I] computed by a plain matmul, in XLA; add (LoRA's
+    deltas [M, 2 I]) or None: added before the activation. out_dtype: the result's dtype, or None: gate_up's."""
+    if add is not None:
+        gate_up = gate_up + add.astype(gate_up.dtype)
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    out = jax.nn.silu(gate) * up
     return out if out_dtype is None else out.astype(out_dtype)
