@@ -4,8 +4,9 @@
 
 For each multiply-add instruction the CPU has (among AVX2's vfmadd231ps on 256 bits, AVX-512's on 512 bits,
 AVX512-BF16's vdpbf16ps and AVX512-VNNI's vpdpbusd), a loop of two dozen instructions a pass and nothing else
-(inline assembly: no loads, no stores, no spills) runs on 1 and on every core at once: on 512 bits into 24
-independent register accumulators, on 256 bits (16 registers) into 12, each updated twice a pass. It prints GFLOP/s (a multiply-add is 2 FLOP: vfmadd231ps 16 or 32 a 256- or 512-bit
+(inline assembly: no loads, no stores, no spills) runs on 1 and on every core at once. On 512 bits each
+instruction of a pass adds into its own register; on 256 bits, whose 16 registers also hold the operands, 12
+registers take two each. It prints GFLOP/s (a multiply-add is 2 FLOP: vfmadd231ps 16 or 32 a 256- or 512-bit
 instruction, vdpbf16ps 64, vpdpbusd 128 (64 byte products)) and instructions a second per thread. The loop
 is compiled here with the C++ compiler the kernels use (g++ by default; CXX overrides), -O2 -march=native.
 A kernel's rate over this is its efficiency; benchmarks/bench_cpu_matmul.py gives the kernels' rates.
@@ -41,9 +42,11 @@ INSTRUCTIONS = {
     "vpdpbusd zmm": ("avx512_vnni", "vpdpbusd %%zmm30, %%zmm31, %%zmm{i}", 128),
 }
 PER_PASS = 24  # instructions a pass
-# Accumulator registers: 0-23 on 512 bits, where twelve chains of vdpbf16ps held a Zen 5 to 7.8 G instructions a
-# second (its latency) against 8.4 with 24; 0-11 on 256 bits, whose 16 registers hold the two operands too.
+
+
 def accumulators(instruction: str) -> int:
+    """Accumulator registers: 0-23 on 512 bits (twelve chains of vdpbf16ps held a Zen 5 to 7.8 G instructions
+    a second, its latency, against 8.7 with 24); 0-11 on 256 bits, whose 16 registers hold the operands too."""
     return 24 if "zmm" in instruction else 12
 
 SOURCE = r"""
