@@ -549,17 +549,23 @@ def test_engine_phases_times_whole_batches_when_the_prompts_outlast_the_step_bud
     assert r["decode_steps"] == 8 and r["buckets_run"] == {"decode 32": 8}, r
 
 
+def _instruction_peak():
+    """benchmarks/instruction_peak.py as a module (benchmarks/ is no package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("instruction_peak", REPO_ROOT / "benchmarks" / "instruction_peak.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_the_instruction_peak_times_each_multiply_the_cpu_has_and_counts_its_flops(tmp_path):
     """benchmarks/instruction_peak.py: a loop for each multiply-add instruction this CPU has builds and runs;
     its FLOP/s is instructions a second times the instruction's FLOP (vpdpbusd's 128 are four times
     vfmadd231ps zmm's 32), within what one core can issue, and the JSON holds the same rows. The matmul's
     tile loop runs for each of its instructions the CPU has, its share the ratio of its rate to that
     instruction's peak row."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("instruction_peak", REPO_ROOT / "benchmarks" / "instruction_peak.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _instruction_peak()
     out = tmp_path / "peak.json"
     result = module.main(["--threads", "1", "--seconds", "0.05", "--out", str(out)])
     flags = result["cpu_flags"].split()
@@ -584,11 +590,7 @@ def test_the_tile_loops_assembly_is_the_kernels_step_and_its_group_epilogue():
     """instruction_peak.tile_assembly: a step loads a panel row's three weight vectors and issues 8 rows x 3
     multiply-adds into the 24 sums, each row after its own broadcast; the epilogue converts, scales, stores
     and zeroes each of the 24 sums once; the clobbers name every register either touches."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("instruction_peak", REPO_ROOT / "benchmarks" / "instruction_peak.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _instruction_peak()
     step, epilogue, clobbers = module.tile_assembly("vpdpbusd zmm")
     assert step.count("vmovdqu32") == 3 and step.count("vpbroadcastd") == 8 and step.count("vpdpbusd") == 24
     assert sorted(int(r) for r in re.findall(r"vpdpbusd %%zmm31, %%zmm\d+, %%zmm(\d+)", step)) == list(range(24))
